@@ -1,0 +1,109 @@
+"""Once per optimizer step: reduce routing counts over the replica group, update the loss-free
+balancing biases, and report per-layer load metrics.
+
+Loss-free balancing (Wang et al., arXiv 2408.15664; DeepSeek-V3): c_i = tokens that chose expert
+i, summed over every rank holding a replica of the router (data, context, tensor and
+expert-parallel ranks); b_i += u * sign(mean(c) - c_i). Each router is reduced and updated on its
+own, so layers may differ in expert count, top-k or router type.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+from megamoe.balancing.tracker import LoadTracker, maxvio
+from megamoe.parallel.comm import Comm, SingleComm
+
+_SUMS = 4  # tokens, experts-per-token sum, micro-batch MaxVio sum, micro-batches
+
+
+def bias_update(counts_E: torch.Tensor, rate: float, mean_centering: bool) -> torch.Tensor:
+    """The loss-free balancing step u * sign(mean(c) - c), optionally centred to mean 0."""
+    step_E = rate * torch.sign(counts_E.mean() - counts_E)
+    if mean_centering:
+        step_E = step_E - step_E.mean()
+    return step_E
+
+
+def routers_of(models: Union[nn.Module, Iterable[nn.Module]]) -> list[nn.Module]:
+    """Every megamoe router (a module owning a LoadTracker) in a model or model chunks."""
+    if isinstance(models, nn.Module):
+        models = [models]
+    return [m for model in models for m in model.modules()
+            if isinstance(getattr(m, "load", None), LoadTracker)]
+
+
+def _packed_state(router: nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values to SUM, values to MAX) of one router's tracker; zeros if it saw no tokens."""
+    load, E = router.load, router.cfg.num_experts
+    loss_names = sorted(load.loss_sums)
+    if load.empty:
+        sums = torch.zeros(2 * E + _SUMS + len(loss_names), device=device)
+        maxes = torch.tensor([0.0, -float(E + 1)], device=device)
+        return sums, maxes
+    losses = [load.loss_sums[name].reshape(1) for name in loss_names]
+    sums = torch.cat([load.selected_E, load.routed_E, load.sums, *losses])
+    maxes = torch.stack([load.experts_per_token_max, -load.experts_per_token_min])
+    return sums, maxes
+
+
+def step_balancing(models: Union[nn.Module, Iterable[nn.Module]],
+                   replica_comm: Optional[Comm] = None) -> dict[str, object]:
+    """Finish one optimizer step's balancing: all-reduce the counts of every router over
+    `replica_comm`, apply the bias update where balancing='bias', reset the trackers and return
+    metrics keyed `moe/layer{n}/...` (floats, plus `load` as a per-expert list of fractions).
+
+    Call it after the backward passes of all micro-batches, on every rank of the replica group.
+    Every rank applies the same update to the same reduced counts, so biases stay identical.
+    """
+    comm = replica_comm or SingleComm()
+    routers = routers_of(models)
+    if not routers:
+        return {}
+    device = routers[0].weight.device
+    packed = [_packed_state(r, device) for r in routers]
+    sums = torch.cat([s for s, _ in packed])
+    maxes = torch.cat([m for _, m in packed])
+    comm.all_reduce(sums, op="sum")
+    comm.all_reduce(maxes, op="max")
+    metrics: dict[str, object] = {}
+    offset = 0
+    for index, (router, (own_sums, _)) in enumerate(zip(routers, packed)):
+        chunk = sums[offset:offset + own_sums.numel()]
+        offset += own_sums.numel()
+        layer_maxes = maxes[2 * index:2 * index + 2]
+        name = f"moe/layer{router.layer_number if router.layer_number is not None else index}"
+        metrics.update(_layer_metrics(router, chunk, layer_maxes, name))
+        if router.expert_bias is not None and router.training:
+            E = router.cfg.num_experts
+            with torch.no_grad():
+                router.expert_bias += bias_update(chunk[:E], router.cfg.bias_update_rate,
+                                                  router.cfg.bias_mean_centering)
+        router.load.reset()
+    return metrics
+
+
+def _layer_metrics(router: nn.Module, chunk: torch.Tensor, layer_maxes: torch.Tensor,
+                   name: str) -> dict[str, object]:
+    E = router.cfg.num_experts
+    selected_E, routed_E = chunk[:E], chunk[E:2 * E]
+    tokens, ept_sum, maxvio_sum, microbatches = chunk[2 * E:2 * E + _SUMS].tolist()
+    if tokens == 0:
+        return {}
+    loss_values = chunk[2 * E + _SUMS:].tolist()
+    total = float(selected_E.sum())
+    out: dict[str, object] = {
+        f"{name}/maxvio_global": float(maxvio(selected_E)),
+        f"{name}/maxvio_batch": maxvio_sum / microbatches,
+        f"{name}/cv": float(selected_E.std(unbiased=False) / selected_E.mean()),
+        f"{name}/experts_per_token": ept_sum / tokens,
+        f"{name}/experts_per_token_max": float(layer_maxes[0]),
+        f"{name}/experts_per_token_min": float(-layer_maxes[1]),
+        f"{name}/dropped_fraction": 1.0 - float(routed_E.sum()) / total,
+        f"{name}/load": (selected_E / total).tolist(),
+    }
+    for loss_name, value in zip(sorted(router.load.loss_sums), loss_values):
+        out[f"{name}/{loss_name}"] = value / microbatches
+    return out

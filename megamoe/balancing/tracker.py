@@ -1,0 +1,71 @@
+"""Per-router accumulation of one optimizer step's routing statistics.
+
+Everything stays on the device as tensors (no host sync per micro-batch); `megamoe.balancing.
+step_balancing` reduces them over the replica group once per step and resets them.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class LoadTracker:
+    """Routing counts of the kept training forwards since the last `reset`.
+
+    selected_E: tokens that chose each expert (the c_i of loss-free balancing).
+    routed_E: tokens actually dispatched to each expert (after capacity drops).
+    tokens, experts_per_token_sum/min/max: over non-padded tokens.
+    microbatch_maxvio_sum, microbatches: MaxVio of each micro-batch on this rank.
+    loss_sums: detached balance-loss values summed over micro-batches.
+    """
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.reset()
+
+    def reset(self) -> None:
+        self.selected_E: Optional[torch.Tensor] = None
+        self.routed_E: Optional[torch.Tensor] = None
+        self.sums: Optional[torch.Tensor] = None  # tokens, experts/token sum, maxvio sum, micro-batches
+        self.experts_per_token_max: Optional[torch.Tensor] = None
+        self.experts_per_token_min: Optional[torch.Tensor] = None
+        self.loss_sums: dict[str, torch.Tensor] = {}
+
+    @property
+    def empty(self) -> bool:
+        return self.selected_E is None
+
+    def record(self, selected_TE: torch.Tensor, routing_map_TE: torch.Tensor) -> None:
+        """Add one micro-batch's selection and dispatch map."""
+        selected_E = selected_TE.sum(0, dtype=torch.float32)
+        routed_E = routing_map_TE.sum(0, dtype=torch.float32)
+        per_token_T = selected_TE.sum(1)
+        real_T = per_token_T > 0
+        tokens = real_T.sum(dtype=torch.float32)
+        per_token_real = per_token_T[real_T].to(torch.float32)
+        sums = torch.stack([tokens, per_token_real.sum(), maxvio(selected_E),
+                            torch.ones((), device=tokens.device)])
+        big = torch.tensor(float(self.num_experts + 1), device=tokens.device)
+        ept_max = per_token_real.max() if per_token_real.numel() else big * 0
+        ept_min = per_token_real.min() if per_token_real.numel() else big
+        if self.empty:
+            self.selected_E, self.routed_E, self.sums = selected_E, routed_E, sums
+            self.experts_per_token_max, self.experts_per_token_min = ept_max, ept_min
+            return
+        self.selected_E = self.selected_E + selected_E
+        self.routed_E = self.routed_E + routed_E
+        self.sums = self.sums + sums
+        self.experts_per_token_max = torch.maximum(self.experts_per_token_max, ept_max)
+        self.experts_per_token_min = torch.minimum(self.experts_per_token_min, ept_min)
+
+    def record_losses(self, losses: dict[str, torch.Tensor]) -> None:
+        for name, value in losses.items():
+            value = value.detach().to(torch.float32)
+            self.loss_sums[name] = self.loss_sums.get(name, 0) + value
+
+
+def maxvio(counts_E: torch.Tensor) -> torch.Tensor:
+    """MaxVio = (max_i c_i - mean(c)) / mean(c) (Wang et al., arXiv 2408.15664)."""
+    mean = counts_E.mean()
+    return (counts_E.max() - mean) / mean.clamp_min(1e-9)

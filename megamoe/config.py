@@ -1,0 +1,303 @@
+"""MoEConfig: every knob of a megamoe layer in one validated dataclass.
+
+Validation lives in `MoEConfig.__post_init__` (and `check_expert_parallel` for the one check that
+needs the expert-parallel size); every error names the offending value and the fix.
+`MoEConfig.from_transformer_config` reads Megatron-Core's own `moe_*` fields so existing Megatron
+settings carry over.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from megamoe.errors import ConfigError
+
+ROUTER_TYPES = ("topk", "top_p")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+BALANCING = ("bias", "aux_loss", "seq_aux_loss", "none")
+DROP_POLICIES = ("probs", "position")
+ACTIVATIONS = ("swiglu", "gelu", "squared_relu")
+ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+DISPATCHERS = ("alltoall",)
+
+
+@dataclass
+class MoEConfig:
+    hidden_size: int
+    """Model hidden size H (the layer's input and output width)."""
+
+    num_experts: int
+    """Number of routed experts E in this layer."""
+
+    ffn_hidden_size: int
+    """Intermediate size of one routed expert (per GLU half for swiglu)."""
+
+    topk: int = 2
+    """Experts per token for the `topk` router; also the nominal K used by capacity planning."""
+
+    router_type: str = "topk"
+    """`topk` (fixed K per token) or `top_p` (dynamic top-p, Huang et al. ACL 2024)."""
+
+    score_function: str = "softmax"
+    """`softmax` or `sigmoid` router scores."""
+
+    pre_softmax: bool = False
+    """softmax only: gates are the softmax over all experts (True) or renormalised over the chosen
+    ones, i.e. softmax after selection (False)."""
+
+    topk_scaling_factor: Optional[float] = None
+    """Multiplier on the gate weights (DeepSeek-V3 uses 2.5); None leaves them unscaled."""
+
+    num_groups: Optional[int] = None
+    """Group-limited routing (DeepSeek-V2/V3): split the experts into this many equal groups
+    (devices or nodes). None disables it."""
+
+    groups_per_token: Optional[int] = None
+    """Group-limited routing: how many groups a token may pick its experts from."""
+
+    balancing: str = "aux_loss"
+    """`bias` (loss-free balancing, arXiv 2408.15664), `aux_loss` (Switch, batch-level),
+    `seq_aux_loss` (per sequence, DeepSeek-V2) or `none`. The z-loss combines with any."""
+
+    bias_update_rate: float = 1e-3
+    """Loss-free balancing: step u of `bias += u * sign(mean(c) - c)`."""
+
+    bias_mean_centering: bool = False
+    """Loss-free balancing: subtract the mean of each update so mean(bias) stays 0."""
+
+    aux_loss_coeff: float = 1e-2
+    """Weight of the aux / seq-aux load-balancing loss."""
+
+    z_loss_coeff: float = 0.0
+    """Weight of the router z-loss (ST-MoE, arXiv 2202.08906); 0 disables it."""
+
+    capacity_factor: Optional[float] = None
+    """Per-expert capacity = ceil(capacity_factor * routed assignments / E), counted per forward
+    call (per rank). None means dropless."""
+
+    drop_policy: str = "probs"
+    """Which tokens an over-full expert keeps: highest gate (`probs`) or earliest (`position`)."""
+
+    activation: str = "swiglu"
+    """Expert activation: `swiglu` (GLU with SiLU), `gelu` or `squared_relu`."""
+
+    shared_expert_ffn_size: Optional[int] = None
+    """Intermediate size of the always-on shared expert; None means no shared expert."""
+
+    shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(x . w_gate)."""
+
+    top_p_threshold: float = 0.4
+    """top_p router: choose the smallest set of experts whose probability mass reaches p."""
+
+    entropy_loss_coeff: float = 1e-4
+    """top_p router: weight of the entropy ("dynamic") loss that keeps P from flattening."""
+
+    router_dtype: str = "fp32"
+    """Precision of the router logits and scores: `fp32` or `fp64`."""
+
+    dispatcher: str = "alltoall"
+    """Token dispatcher across expert-parallel ranks: `alltoall`."""
+
+    init_method_std: float = 0.02
+    """Std of the normal init used when no Megatron init method is given."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "hidden_size", "num_experts", "ffn_hidden_size", "topk")
+        _check_choice(self, "router_type", ROUTER_TYPES)
+        _check_choice(self, "score_function", SCORE_FUNCTIONS)
+        _check_choice(self, "balancing", BALANCING)
+        _check_choice(self, "drop_policy", DROP_POLICIES)
+        _check_choice(self, "activation", ACTIVATIONS)
+        _check_choice(self, "router_dtype", tuple(ROUTER_DTYPES))
+        _check_choice(self, "dispatcher", DISPATCHERS)
+        if self.topk > self.num_experts:
+            raise ConfigError(
+                f"topk={self.topk} exceeds num_experts={self.num_experts}; set topk <= num_experts"
+            )
+        if self.router_type == "top_p" and not 0.0 < self.top_p_threshold <= 1.0:
+            raise ConfigError(
+                f"top_p_threshold={self.top_p_threshold} is outside (0, 1]; pick e.g. 0.4"
+            )
+        if self.router_type == "top_p" and self.score_function != "softmax":
+            raise ConfigError(
+                f"score_function={self.score_function!r} with router_type='top_p': top-p needs a "
+                "probability distribution; set score_function='softmax'"
+            )
+        if self.router_type == "top_p" and self.num_groups is not None:
+            raise ConfigError(
+                f"num_groups={self.num_groups} with router_type='top_p': group limits apply to "
+                "the topk router only; unset num_groups"
+            )
+        self._check_groups()
+        for name in ("aux_loss_coeff", "z_loss_coeff", "entropy_loss_coeff", "bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} is negative; use a value >= 0")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ConfigError(
+                f"capacity_factor={self.capacity_factor} must be > 0; use None for dropless"
+            )
+        if self.topk_scaling_factor is not None and self.topk_scaling_factor <= 0:
+            raise ConfigError(
+                f"topk_scaling_factor={self.topk_scaling_factor} must be > 0; use None to disable"
+            )
+        if self.shared_expert_ffn_size is not None and self.shared_expert_ffn_size <= 0:
+            raise ConfigError(
+                f"shared_expert_ffn_size={self.shared_expert_ffn_size} must be > 0; use None for "
+                "no shared expert"
+            )
+        if self.shared_expert_gate and self.shared_expert_ffn_size is None:
+            raise ConfigError(
+                "shared_expert_gate=True without a shared expert; set shared_expert_ffn_size"
+            )
+
+    def _check_groups(self) -> None:
+        if (self.num_groups is None) != (self.groups_per_token is None):
+            raise ConfigError(
+                f"num_groups={self.num_groups}, groups_per_token={self.groups_per_token}: "
+                "group-limited routing needs both set (or both None)"
+            )
+        if self.num_groups is None:
+            return
+        if self.num_groups <= 0 or self.num_experts % self.num_groups:
+            raise ConfigError(
+                f"num_groups={self.num_groups} does not divide num_experts={self.num_experts}; "
+                "pick a divisor of num_experts"
+            )
+        if not 0 < self.groups_per_token <= self.num_groups:
+            raise ConfigError(
+                f"groups_per_token={self.groups_per_token} must be in 1..num_groups="
+                f"{self.num_groups}"
+            )
+        if self.topk % self.groups_per_token:
+            raise ConfigError(
+                f"topk={self.topk} is not a multiple of groups_per_token={self.groups_per_token}; "
+                "each chosen group contributes topk/groups_per_token experts"
+            )
+        experts_in_chosen_groups = self.groups_per_token * self.num_experts // self.num_groups
+        if self.topk > experts_in_chosen_groups:
+            raise ConfigError(
+                f"topk={self.topk} exceeds the {experts_in_chosen_groups} experts in "
+                f"groups_per_token={self.groups_per_token} groups; raise groups_per_token"
+            )
+
+    @property
+    def torch_router_dtype(self) -> torch.dtype:
+        return ROUTER_DTYPES[self.router_dtype]
+
+    @property
+    def gated(self) -> bool:
+        """True when the expert MLP is a GLU (fc1 holds gate and up halves)."""
+        return self.activation == "swiglu"
+
+    def check_expert_parallel(self, ep_size: int) -> None:
+        """Raise ConfigError unless the experts split evenly over `ep_size` ranks."""
+        if self.num_experts % ep_size:
+            raise ConfigError(
+                f"num_experts={self.num_experts} is not divisible by the expert-parallel size "
+                f"{ep_size}; choose an expert-parallel size that divides num_experts"
+            )
+
+    def replace(self, **changes: Any) -> "MoEConfig":
+        """A validated copy with `changes` applied (unknown names raise ConfigError)."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ConfigError(f"unknown MoEConfig field(s) {sorted(unknown)}; see megamoe.MoEConfig")
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_transformer_config(cls, tc: Any, **overrides: Any) -> "MoEConfig":
+        """Build from a Megatron-Core TransformerConfig's `moe_*` fields, then apply `overrides`.
+
+        Megatron's `moe_router_enable_expert_bias=True` maps to balancing='bias'; otherwise
+        `moe_router_load_balancing_type` is used ('global_aux_loss' maps to 'aux_loss', whose
+        counts megamoe always takes over the whole replica group).
+        """
+        if tc.num_moe_experts is None:
+            raise ConfigError(
+                "TransformerConfig.num_moe_experts is None; set --num-experts to build an MoE layer"
+            )
+        values = dict(
+            hidden_size=tc.hidden_size,
+            num_experts=tc.num_moe_experts,
+            ffn_hidden_size=tc.moe_ffn_hidden_size or tc.ffn_hidden_size,
+            topk=tc.moe_router_topk,
+            score_function=tc.moe_router_score_function,
+            pre_softmax=tc.moe_router_pre_softmax,
+            topk_scaling_factor=tc.moe_router_topk_scaling_factor,
+            num_groups=tc.moe_router_num_groups,
+            groups_per_token=tc.moe_router_group_topk,
+            balancing=_balancing_from_megatron(tc),
+            bias_update_rate=tc.moe_router_bias_update_rate,
+            aux_loss_coeff=_first(tc.moe_aux_loss_coeff),
+            z_loss_coeff=tc.moe_z_loss_coeff or 0.0,
+            capacity_factor=tc.moe_expert_capacity_factor,
+            drop_policy=tc.moe_token_drop_policy,
+            activation=_activation_from_megatron(tc),
+            shared_expert_ffn_size=tc.moe_shared_expert_intermediate_size,
+            shared_expert_gate=tc.moe_shared_expert_gate,
+            router_dtype=tc.moe_router_dtype or "fp32",
+            dispatcher=tc.moe_token_dispatcher_type if tc.moe_token_dispatcher_type in
+            DISPATCHERS else "alltoall",
+            init_method_std=tc.init_method_std,
+        )
+        values.update(overrides)
+        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown MoEConfig field(s) {sorted(unknown)}; see megamoe.MoEConfig")
+        return cls(**values)
+
+
+def _first(value: Any) -> float:
+    """Megatron allows a per-loss list of aux coefficients; megamoe has one aux loss."""
+    return float(value[0] if isinstance(value, (list, tuple)) else value)
+
+
+def _balancing_from_megatron(tc: Any) -> str:
+    if tc.moe_router_enable_expert_bias:
+        return "bias"
+    kind = tc.moe_router_load_balancing_type
+    kind = kind[0] if isinstance(kind, (list, tuple)) else kind
+    mapping = {"aux_loss": "aux_loss", "global_aux_loss": "aux_loss",
+               "seq_aux_loss": "seq_aux_loss", "none": "none"}
+    if kind not in mapping:
+        raise ConfigError(
+            f"moe_router_load_balancing_type={kind!r} is not supported by megamoe; use one of "
+            f"{sorted(mapping)} or moe_router_enable_expert_bias=True"
+        )
+    return mapping[kind]
+
+
+def _activation_from_megatron(tc: Any) -> str:
+    import torch.nn.functional as F
+
+    name = getattr(tc.activation_func, "__name__", str(tc.activation_func))
+    if tc.gated_linear_unit:
+        if tc.activation_func is F.silu:
+            return "swiglu"
+        raise ConfigError(
+            f"gated activation {name!r} is not supported; use activation_func=F.silu (swiglu)"
+        )
+    if tc.activation_func is F.gelu:
+        return "gelu"
+    if "squared_relu" in name:
+        return "squared_relu"
+    raise ConfigError(
+        f"activation {name!r} is not supported; use swiglu (gated silu), gelu or squared_relu"
+    )
+
+
+def _check_positive(cfg: MoEConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{name}={value!r} must be a positive integer")
+
+
+def _check_choice(cfg: MoEConfig, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(cfg, name)
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {list(choices)}")

@@ -1,0 +1,34 @@
+"""The one exception type a user can cause, and the CLI wrapper that turns it into exit code 2."""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+
+class MegaMoEError(ValueError):
+    """A problem with user input (config, checkpoint, data, CLI flags).
+
+    The message names the offending value and the fix, in one line.
+    """
+
+
+class ConfigError(MegaMoEError):
+    """An invalid configuration value or combination."""
+
+
+class CheckpointError(MegaMoEError):
+    """A missing, corrupt or incompatible checkpoint."""
+
+
+class DataError(MegaMoEError):
+    """Missing or malformed training data."""
+
+
+def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> None:
+    """Run a CLI `main`; a MegaMoEError becomes one line on stderr and exit code 2."""
+    try:
+        code = main(argv)
+    except MegaMoEError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code or 0)

@@ -1,0 +1,73 @@
+"""Grouped experts: all local experts' weights stacked in two tensors.
+
+fc1_weight [L, F', D] and fc2_weight [L, D, F] keep each expert's matrices in Megatron-Core's
+(out, in) orientation (F' = 2F for swiglu, gate half first), so checkpoints map one-to-one onto
+Megatron's per-expert `linear_fc1.weight` / `linear_fc2.weight`.
+
+One kernel per device, chosen once: torch's grouped matmul on CUDA (one launch for all experts),
+a per-expert loop of dense matmuls elsewhere (on CPU the loop is the fast path: each expert's
+block is one large GEMM).
+
+Shape legend: L local experts, D hidden, F expert FFN size, N rows (tokens sorted by expert).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from megamoe.config import MoEConfig
+from megamoe.experts.activations import ACTIVATIONS
+
+
+def loop_expert_mlp(x_ND, tokens_per_expert, fc1_LFD, fc2_LDF, activation):
+    """Reference path: one dense MLP per expert over its contiguous block of rows."""
+    outputs = []
+    for expert, rows_MD in enumerate(x_ND.split(tokens_per_expert)):
+        h_MF = activation(rows_MD @ fc1_LFD[expert].t())
+        outputs.append(h_MF @ fc2_LDF[expert].t())
+    return torch.cat(outputs) if outputs else x_ND.new_empty((0, fc2_LDF.shape[1]))
+
+
+def grouped_mm_expert_mlp(x_ND, tokens_per_expert, fc1_LFD, fc2_LDF, activation):
+    """CUDA path: torch's grouped GEMM, one kernel for all experts per projection."""
+    offsets_L = torch.tensor(tokens_per_expert, device=x_ND.device).cumsum(0).to(torch.int32)
+    h_NF = torch.nn.functional.grouped_mm(x_ND, fc1_LFD.transpose(1, 2), offs=offsets_L)
+    return torch.nn.functional.grouped_mm(activation(h_NF), fc2_LDF.transpose(1, 2), offs=offsets_L)
+
+
+def pick_kernel(device: torch.device, dtype: torch.dtype) -> Callable:
+    """The grouped-GEMM path on CUDA for bf16 (what torch's kernel supports), else the loop."""
+    if device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch.nn.functional,
+                                                                     "grouped_mm"):
+        return grouped_mm_expert_mlp
+    return loop_expert_mlp
+
+
+class GroupedExperts(nn.Module):
+    """The L routed experts held by this rank."""
+
+    def __init__(self, cfg: MoEConfig, num_local_experts: int,
+                 init_method: Optional[Callable] = None,
+                 output_init_method: Optional[Callable] = None):
+        super().__init__()
+        fc1_out = cfg.ffn_hidden_size * (2 if cfg.gated else 1)
+        self.fc1_weight = nn.Parameter(torch.empty(num_local_experts, fc1_out, cfg.hidden_size))
+        self.fc2_weight = nn.Parameter(
+            torch.empty(num_local_experts, cfg.hidden_size, cfg.ffn_hidden_size))
+        default_init = lambda w: nn.init.normal_(w, 0.0, cfg.init_method_std)  # noqa: E731
+        for expert in range(num_local_experts):
+            (init_method or default_init)(self.fc1_weight.data[expert])
+            (output_init_method or default_init)(self.fc2_weight.data[expert])
+        for param in (self.fc1_weight, self.fc2_weight):
+            param.allreduce = False  # Megatron DDP: expert grads reduce over expert-DP only
+        self.activation = ACTIVATIONS[cfg.activation]
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.fc1_weight.shape[0]
+
+    def forward(self, x_ND: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        kernel = pick_kernel(x_ND.device, x_ND.dtype)
+        return kernel(x_ND, tokens_per_expert, self.fc1_weight, self.fc2_weight, self.activation)

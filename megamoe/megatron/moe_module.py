@@ -1,0 +1,54 @@
+"""The megamoe layer as Megatron-Core builds its `mlp` slot.
+
+TransformerLayer builds the mlp module with `config` (0.16) or `config, pg_collection,
+is_mtp_layer, name` (0.19), plus the spec's `params`. `MegatronMoELayer` accepts both, reads the
+user's `moe_*` settings from the TransformerConfig (`MoEConfig.from_transformer_config`) with the
+spec's `moe` overrides on top, and takes its process groups from the pg_collection (or
+Megatron's parallel_state).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+from megamoe.config import MoEConfig
+from megamoe.errors import ConfigError
+from megamoe.layer import MoELayer
+from megamoe.parallel.comm import as_comm
+
+
+class MegatronMoELayer(MoELayer):
+    """MoELayer for a Megatron-Core TransformerLayer's `mlp` slot.
+
+    moe: MoEConfig fields that override (or add to) what the TransformerConfig says, e.g.
+        {"router_type": "top_p"} or a per-layer {"num_experts": 16}.
+    """
+
+    def __init__(self, config: Any, submodules: Any = None, layer_number: Optional[int] = None,
+                 pg_collection: Any = None, is_mtp_layer: bool = False, name: Optional[str] = None,
+                 moe: Optional[dict] = None):
+        cfg = MoEConfig.from_transformer_config(config, **(moe or {}))
+        pgs = pg_collection if pg_collection is not None else get_default_pg_collection()
+        _check_supported_parallelism(config, pgs)
+        super().__init__(cfg, ep_comm=as_comm(pgs.ep), replica_comm=as_comm(pgs.tp_dp_cp),
+                         init_method=config.init_method,
+                         output_init_method=config.output_layer_init_method)
+        self.config = config
+        if layer_number is not None:
+            self.set_layer_number(layer_number)
+
+
+def _check_supported_parallelism(config: Any, pgs: Any) -> None:
+    expert_tp = pgs.expt_tp.size() if pgs.expt_tp is not None else 1
+    if expert_tp > 1:
+        raise ConfigError(
+            f"expert_tensor_parallel_size={expert_tp}: megamoe experts are not tensor-parallel; "
+            "set expert_tensor_parallel_size=1 and use expert parallelism instead"
+        )
+    tp = pgs.tp.size() if pgs.tp is not None else 1
+    if tp > 1 and not config.sequence_parallel:
+        raise ConfigError(
+            f"tensor_model_parallel_size={tp} without sequence_parallel: megamoe needs each "
+            "tensor-parallel rank to hold its own tokens; set sequence_parallel=True"
+        )

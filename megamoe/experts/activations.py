@@ -1,9 +1,20 @@
-"""Expert activations. For swiglu, fc1 holds [gate; up] stacked along its output dimension, the
-layout Megatron-Core uses (Shazeer, "GLU Variants Improve Transformer", arXiv 2002.05202)."""
+"""Expert activations, each with its derivative for the experts' hand-written backward.
+
+For swiglu, fc1 holds [gate; up] stacked along its output dimension, the layout Megatron-Core
+uses (Shazeer, "GLU Variants Improve Transformer", arXiv 2002.05202).
+"""
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+
+class Activation(NamedTuple):
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """backward(h, grad_of_output) -> grad_of_h."""
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -11,9 +22,27 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def swiglu_backward(h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
+    return torch.cat([grad_gate, grad * F.silu(gate)], dim=-1)
+
+
+def gelu_backward(h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.gelu_backward(grad, h)
+
+
 def squared_relu(h: torch.Tensor) -> torch.Tensor:
     """relu(x)^2 (So et al., Primer, arXiv 2109.08668)."""
     return F.relu(h).square()
 
 
-ACTIVATIONS = {"swiglu": swiglu, "gelu": F.gelu, "squared_relu": squared_relu}
+def squared_relu_backward(h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return grad * 2 * F.relu(h)
+
+
+ACTIVATIONS = {
+    "swiglu": Activation(swiglu, swiglu_backward),
+    "gelu": Activation(F.gelu, gelu_backward),
+    "squared_relu": Activation(squared_relu, squared_relu_backward),
+}

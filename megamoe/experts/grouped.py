@@ -21,20 +21,52 @@ from megamoe.config import MoEConfig
 from megamoe.experts.activations import ACTIVATIONS
 
 
+class _LoopExpertMLP(torch.autograd.Function):
+    """One dense MLP per expert over its contiguous block of rows, with a hand-written backward
+    that writes every expert's gradients straight into the stacked gradient tensors (plain
+    autograd over the loop would zero-fill and concatenate full-size buffers per expert).
+    Saves the input and the pre-activation; the activation is recomputed in the backward."""
+
+    @staticmethod
+    def forward(ctx, x_ND, fc1_LFD, fc2_LDF, tokens_per_expert, activation):
+        h_NF = x_ND.new_empty((x_ND.shape[0], fc1_LFD.shape[1]))
+        y_ND = x_ND.new_empty((x_ND.shape[0], fc2_LDF.shape[1]))
+        blocks = zip(x_ND.split(tokens_per_expert), h_NF.split(tokens_per_expert),
+                     y_ND.split(tokens_per_expert), fc1_LFD.unbind(0), fc2_LDF.unbind(0))
+        for x_MD, h_MF, y_MD, fc1_FD, fc2_DF in blocks:
+            torch.mm(x_MD, fc1_FD.t(), out=h_MF)
+            torch.mm(activation.forward(h_MF), fc2_DF.t(), out=y_MD)
+        ctx.save_for_backward(x_ND, h_NF, fc1_LFD, fc2_LDF)
+        ctx.tokens_per_expert, ctx.activation = tokens_per_expert, activation
+        return y_ND
+
+    @staticmethod
+    def backward(ctx, grad_y_ND):
+        x_ND, h_NF, fc1_LFD, fc2_LDF = ctx.saved_tensors
+        split, act = ctx.tokens_per_expert, ctx.activation
+        grad_x_ND, grad_fc1, grad_fc2 = (torch.empty_like(t) for t in (x_ND, fc1_LFD, fc2_LDF))
+        blocks = zip(x_ND.split(split), h_NF.split(split), grad_y_ND.contiguous().split(split),
+                     grad_x_ND.split(split), fc1_LFD.unbind(0), fc2_LDF.unbind(0),
+                     grad_fc1.unbind(0), grad_fc2.unbind(0))
+        for x_MD, h_MF, gy_MD, gx_MD, fc1_FD, fc2_DF, gfc1_FD, gfc2_DF in blocks:
+            torch.mm(gy_MD.t(), act.forward(h_MF), out=gfc2_DF)
+            grad_h_MF = act.backward(h_MF, gy_MD @ fc2_DF)
+            torch.mm(grad_h_MF.t(), x_MD, out=gfc1_FD)
+            torch.mm(grad_h_MF, fc1_FD, out=gx_MD)
+        return grad_x_ND, grad_fc1, grad_fc2, None, None
+
+
 def loop_expert_mlp(x_ND, tokens_per_expert, fc1_LFD, fc2_LDF, activation):
-    """Reference path: one dense MLP per expert over its contiguous block of rows."""
-    outputs = []
-    for expert, rows_MD in enumerate(x_ND.split(tokens_per_expert)):
-        h_MF = activation(rows_MD @ fc1_LFD[expert].t())
-        outputs.append(h_MF @ fc2_LDF[expert].t())
-    return torch.cat(outputs) if outputs else x_ND.new_empty((0, fc2_LDF.shape[1]))
+    """CPU path: one dense GEMM pair per expert (each expert's block is one large GEMM)."""
+    return _LoopExpertMLP.apply(x_ND, fc1_LFD, fc2_LDF, list(tokens_per_expert), activation)
 
 
 def grouped_mm_expert_mlp(x_ND, tokens_per_expert, fc1_LFD, fc2_LDF, activation):
     """CUDA path: torch's grouped GEMM, one kernel for all experts per projection."""
     offsets_L = torch.tensor(tokens_per_expert, device=x_ND.device).cumsum(0).to(torch.int32)
     h_NF = torch.nn.functional.grouped_mm(x_ND, fc1_LFD.transpose(1, 2), offs=offsets_L)
-    return torch.nn.functional.grouped_mm(activation(h_NF), fc2_LDF.transpose(1, 2), offs=offsets_L)
+    return torch.nn.functional.grouped_mm(activation.forward(h_NF), fc2_LDF.transpose(1, 2),
+                                          offs=offsets_L)
 
 
 def pick_kernel(device: torch.device, dtype: torch.dtype) -> Callable:

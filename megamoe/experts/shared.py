@@ -28,7 +28,7 @@ class SharedExpert(nn.Module):
             (init_method or default_init)(self.gate_weight.data)
         else:
             self.gate_weight = None
-        self.activation = ACTIVATIONS[cfg.activation]
+        self.activation = ACTIVATIONS[cfg.activation].forward
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         y_TD = self.linear_fc2(self.activation(self.linear_fc1(x_TD)))

@@ -6,12 +6,20 @@ the balancer only see `Comm`, so the same code runs in all three.
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol
+import contextlib
+from typing import Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
+from megamoe.errors import MegaMoEError
+
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+class CollectiveError(MegaMoEError):
+    """A collective failed on this rank because a peer rank died or stalled past the group's
+    timeout (the process group's `timeout`, e.g. `setup_megatron(timeout_s=...)`)."""
 
 
 class Comm(Protocol):
@@ -46,7 +54,11 @@ class SingleComm:
 
 
 class TorchComm:
-    """Collectives over a torch.distributed process group (None means the default group)."""
+    """Collectives over a torch.distributed process group (None means the default group).
+
+    A collective that fails (gloo and NCCL raise when a peer's connection closes or the group's
+    timeout passes) is re-raised as a one-line `CollectiveError` naming the collective and rank.
+    """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None):
         self.group = group
@@ -54,18 +66,33 @@ class TorchComm:
         self.size = dist.get_world_size(group)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
-        dist.all_reduce(tensor, op=_TORCH_OPS[op], group=self.group)
+        with self._failing_clearly("all_reduce"):
+            dist.all_reduce(tensor, op=_TORCH_OPS[op], group=self.group)
 
     def all_to_all(self, x, out_splits, in_splits):
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(out_splits),
-                               input_split_sizes=list(in_splits), group=self.group)
+        with self._failing_clearly("all_to_all"):
+            dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(out_splits),
+                                   input_split_sizes=list(in_splits), group=self.group)
         return out
 
     def all_gather(self, x):
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        with self._failing_clearly("all_gather"):
+            dist.all_gather(parts, x.contiguous(), group=self.group)
         return parts
+
+    @contextlib.contextmanager
+    def _failing_clearly(self, name: str) -> Iterator[None]:
+        try:
+            yield
+        except RuntimeError as err:  # gloo and NCCL failures are RuntimeError subclasses
+            cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise CollectiveError(
+                f"{name} over a group of {self.size} ranks failed on group rank {self.rank} "
+                f"(global rank {dist.get_rank()}): a peer rank exited or stalled past the "
+                f"process group's timeout; check the other ranks' logs. Cause: {cause}"
+            ) from err
 
 
 def as_comm(group) -> Comm:

@@ -86,15 +86,16 @@ def run_ranks(size: int, fn: Callable[[MockComm], Any], timeout_s: float = _TIME
     return results
 
 
-def expert_parallel_replica(layer, comm):
-    """A copy of a single-process MoELayer for one rank of `comm`: the router and shared expert
-    copied, and only this rank's slice of the stacked expert weights. The copy's parameters are
+def expert_parallel_replica(layer, ep_comm, replica_comm=None):
+    """A copy of a single-process MoELayer for one rank of `ep_comm`: the router and shared
+    expert copied, and only this rank's slice of the stacked expert weights. `replica_comm`
+    (default: `ep_comm`) is the group the router is replicated over. The copy's parameters are
     fresh leaves, so gradients can be compared with the original's."""
     from megamoe.layer import MoELayer
 
-    replica = MoELayer(layer.cfg, ep_comm=comm, replica_comm=comm)
-    local = layer.cfg.num_experts // comm.size
-    state = {name: (value[comm.rank * local:(comm.rank + 1) * local]
+    replica = MoELayer(layer.cfg, ep_comm=ep_comm, replica_comm=replica_comm or ep_comm)
+    local = layer.cfg.num_experts // ep_comm.size
+    state = {name: (value[ep_comm.rank * local:(ep_comm.rank + 1) * local]
                     if name.startswith("experts.") else value)
              for name, value in layer.state_dict().items()}
     replica.load_state_dict(state)

@@ -1,0 +1,88 @@
+"""megamoe layers inside a Megatron-Core GPTModel on CPU."""
+import pytest
+import torch
+
+from megamoe.balancing import step_balancing
+from megamoe.megatron.models import build_gpt, causal_attention_mask, tiny_transformer_config
+from megamoe.megatron.moe_module import MegatronMoELayer
+from megamoe.megatron.runtime import setup_megatron, teardown_megatron
+from megamoe.megatron.specs import (decoder_block_spec, gpt_decoder_block_spec, layer_spec,
+                                    moe_layer_pattern)
+
+VOCAB, SEQ = 64, 16
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    setup_megatron(seed=7)
+    yield
+    teardown_megatron()
+
+
+def moe_config(**changes):
+    base = dict(num_layers=3, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                moe_layer_freq=[0, 1, 1], moe_router_enable_expert_bias=True,
+                moe_router_score_function="sigmoid")
+    return tiny_transformer_config(**{**base, **changes})
+
+
+def lm_batch(seed):
+    gen = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, VOCAB, (8, 1), generator=gen)
+    tokens = (start + torch.arange(SEQ + 1)) % VOCAB  # learnable: next token = token + 1
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def lm_loss(model, tokens, labels):
+    position_ids = torch.arange(SEQ).expand(tokens.shape[0], -1)
+    return model(tokens, position_ids, causal_attention_mask(SEQ), labels=labels).mean()
+
+
+def test_gpt_with_megamoe_layers_trains_and_balances(megatron):
+    config = moe_config()
+    model = build_gpt(config, gpt_decoder_block_spec(config, layer_overrides={2: {"num_experts": 8}}),
+                      vocab_size=VOCAB, seq_len=SEQ)
+    moe_layers = [m for m in model.modules() if isinstance(m, MegatronMoELayer)]
+    assert [layer.cfg.num_experts for layer in moe_layers] == [4, 8]
+    assert [layer.router.layer_number for layer in moe_layers] == [2, 3]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(20):
+        loss = lm_loss(model, *lm_batch(step))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        metrics = step_balancing(model)
+        losses.append(float(loss.detach()))
+    assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3
+    assert {"moe/layer2/maxvio_global", "moe/layer3/maxvio_global"} <= set(metrics)
+    assert all(layer.router.expert_bias.abs().sum() > 0 for layer in moe_layers)
+
+    fresh = build_gpt(config, gpt_decoder_block_spec(config, layer_overrides={2: {"num_experts": 8}}),
+                      vocab_size=VOCAB, seq_len=SEQ)
+    fresh.load_state_dict(model.state_dict())
+    for old, new in zip(moe_layers, [m for m in fresh.modules() if isinstance(m, MegatronMoELayer)]):
+        assert torch.equal(old.router.expert_bias, new.router.expert_bias)
+    model.eval(), fresh.eval()
+    tokens, labels = lm_batch(99)
+    with torch.no_grad():
+        assert torch.equal(lm_loss(model, tokens, labels), lm_loss(fresh, tokens, labels))
+
+
+def test_moe_layer_pattern():
+    assert moe_layer_pattern(moe_config(num_layers=4, moe_layer_freq=2)) == [True, False, True, False]
+    assert moe_layer_pattern(moe_config(num_layers=4, moe_layer_freq=1), first_k_dense=1) == \
+        [False, True, True, True]
+    assert moe_layer_pattern(moe_config()) == [False, True, True]
+
+
+def test_spec_hook_objects(megatron):
+    """`pretrain_gpt.py --spec megamoe.megatron.specs layer_spec|decoder_block_spec`."""
+    config = moe_config(moe_layer_freq=1, num_layers=2)
+    model = build_gpt(config, layer_spec, vocab_size=VOCAB, seq_len=SEQ)
+    assert sum(isinstance(m, MegatronMoELayer) for m in model.modules()) == 2
+    model = build_gpt(config, decoder_block_spec(config, vp_stage=None), vocab_size=VOCAB,
+                      seq_len=SEQ)
+    assert sum(isinstance(m, MegatronMoELayer) for m in model.modules()) == 2
+    tokens, labels = lm_batch(0)
+    assert torch.isfinite(lm_loss(model, tokens, labels))

@@ -1,0 +1,106 @@
+"""Time forward+backward of a megamoe layer and of Megatron-Core's own MoE layer (local spec,
+SequentialMLP, all-to-all dispatcher) at the same sizes, in the same process.
+
+    python tools/bench_moe_layer.py                     # the issue's CPU bar (fp32)
+    python tools/bench_moe_layer.py --dtype bf16 --tokens 16384   # on a GPU
+
+Prints one line per implementation (median ms per forward+backward) and the ratio
+megamoe / Megatron-Core, and writes them as JSON to --json if given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+import torch  # noqa: E402
+
+from megamoe.errors import MegaMoEError, run_cli  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--ffn", type=int, default=1024, help="expert FFN size")
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--json", help="also write the figures to this JSON file")
+    return parser.parse_args(argv)
+
+
+def megatron_moe_layer(config):
+    """Megatron-Core's own MoE layer, built from its local GPT layer spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    return build_module(spec.submodules.mlp, config=config)
+
+
+def time_fwd_bwd(layer, x, warmup, iters):
+    """Median wall time (ms) of forward + backward."""
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    grad = torch.randn_like(x)
+    times = []
+    for i in range(warmup + iters):
+        sync()
+        start = time.perf_counter()
+        out, _ = layer(x)
+        out.backward(grad)
+        sync()
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+        layer.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.tokens % 4:
+        raise MegaMoEError(f"--tokens {args.tokens} must be a multiple of 4 (batch of 4)")
+    from megamoe.megatron.models import tiny_transformer_config
+    from megamoe.megatron.moe_module import MegatronMoELayer
+    from megamoe.megatron.runtime import setup_megatron, teardown_megatron
+
+    setup_megatron()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = DTYPES[args.dtype]
+    config = tiny_transformer_config(
+        hidden_size=args.hidden, num_attention_heads=8, ffn_hidden_size=args.ffn,
+        num_moe_experts=args.experts, moe_ffn_hidden_size=args.ffn, moe_router_topk=args.topk,
+        moe_token_dispatcher_type="alltoall", gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, moe_aux_loss_coeff=1e-2,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype)
+    torch.manual_seed(0)
+    x = torch.randn(args.tokens // 4, 4, args.hidden, device=device, dtype=dtype,
+                    requires_grad=True)
+    layers = {"megamoe": MegatronMoELayer(config), "megatron-core": megatron_moe_layer(config)}
+    figures = {"device": torch.cuda.get_device_name() if device == "cuda" else
+               f"cpu ({torch.get_num_threads()} threads)", "args": vars(args)}
+    for name, layer in layers.items():
+        layer.to(device=device, dtype=dtype).train()
+        figures[name + "_ms"] = time_fwd_bwd(layer, x, args.warmup, args.iters)
+        print(f"{name:14s} forward+backward: {figures[name + '_ms']:9.2f} ms "
+              f"(median of {args.iters}, {args.tokens} tokens, {args.dtype}, {figures['device']})")
+    figures["ratio"] = figures["megamoe_ms"] / figures["megatron-core_ms"]
+    print(f"ratio megamoe / megatron-core: {figures['ratio']:.3f}")
+    if args.json:
+        from megamoe.atomic import atomic_write_text
+
+        atomic_write_text(args.json, json.dumps(figures, indent=2))
+    teardown_megatron()
+
+
+if __name__ == "__main__":
+    run_cli(main, sys.argv[1:])

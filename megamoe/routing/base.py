@@ -102,6 +102,15 @@ class Router(nn.Module):
             self.load.record(routing.selected_TE, routing.routing_map_TE)
             self.load.record_losses(losses)
 
+    @property
+    def local_tokens_per_expert(self) -> torch.Tensor:
+        """This step's selection counts under the name Megatron-Core's `finalize_model_grads`
+        reads (and zeroes in place) when `moe_router_enable_expert_bias` drives the bias update
+        from Megatron-LM's training loop instead of `step_balancing`."""
+        if self.load.empty:
+            return self.weight.new_zeros(self.cfg.num_experts, dtype=torch.float32)
+        return self.load.selected_E
+
     def _apply(self, fn, recurse=True):
         """Move the expert bias with the module but keep it in fp32 (a bf16 cast would erase
         updates of size 1e-3)."""

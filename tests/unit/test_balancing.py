@@ -144,8 +144,8 @@ def test_aux_loss_identical_at_ep1_and_mock_ep4():
 
     per_rank = run_ranks(4, rank)
     for name in ("aux_loss", "z_loss"):
-        mean = sum(float(r[name]) for r in per_rank) / 4
-        assert mean == pytest.approx(float(ref[name]), rel=1e-6, abs=1e-7)
+        mean = sum(float(r[name].detach()) for r in per_rank) / 4
+        assert mean == pytest.approx(float(ref[name].detach()), rel=1e-6, abs=1e-7)
 
 
 def test_heterogeneous_layers_balance_independently():
@@ -207,3 +207,22 @@ def test_biases_identical_on_all_mock_ranks_after_updates():
     biases = run_ranks(4, rank)
     assert all(torch.equal(b, biases[0]) for b in biases)
     assert biases[0].abs().sum() > 0
+
+
+def test_balance_losses_reach_the_gradient_but_not_the_output():
+    torch.manual_seed(0)
+    plain = MoELayer(config(balancing="none"))
+    with_losses = MoELayer(config(balancing="aux_loss", aux_loss_coeff=0.5, z_loss_coeff=0.1))
+    with_losses.load_state_dict(plain.state_dict())
+    x, grad = torch.randn(8, 2, D), torch.randn(8, 2, D)
+    out_plain, _ = plain(x)
+    out_plain.backward(grad)
+    out, _ = with_losses(x)
+    out.backward(grad)
+    assert torch.equal(out, out_plain)
+    routing = with_losses.router(x.reshape(-1, D))
+    losses = with_losses.balance_losses(routing, 8, 2)
+    weighted = 0.5 * losses["aux_loss"] + 0.1 * losses["z_loss"]
+    (loss_grad,) = torch.autograd.grad(weighted, with_losses.router.weight)
+    torch.testing.assert_close(with_losses.router.weight.grad - plain.router.weight.grad, loss_grad)
+    torch.testing.assert_close(with_losses.experts.fc1_weight.grad, plain.experts.fc1_weight.grad)

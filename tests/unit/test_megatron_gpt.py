@@ -86,3 +86,26 @@ def test_spec_hook_objects(megatron):
     assert sum(isinstance(m, MegatronMoELayer) for m in model.modules()) == 2
     tokens, labels = lm_batch(0)
     assert torch.isfinite(lm_loss(model, tokens, labels))
+
+
+def test_megatron_finalize_model_grads_updates_megamoe_bias(megatron):
+    """Megatron-LM's own bias update (finalize_model_grads with moe_router_enable_expert_bias)
+    reads megamoe's counts and applies the same rule as step_balancing."""
+    from megatron.core.distributed.finalize_model_grads import (_update_router_expert_bias,
+                                                                 reset_model_temporary_tensors)
+
+    config = moe_config(moe_layer_freq=1, num_layers=2)
+    model = build_gpt(config, decoder_block_spec(config), vocab_size=VOCAB, seq_len=SEQ)
+    tokens, labels = lm_batch(3)
+    lm_loss(model, tokens, labels).backward()
+    routers = [m.router for m in model.modules() if isinstance(m, MegatronMoELayer)]
+    expected = []
+    for router in routers:
+        counts = router.load.selected_E.clone()
+        rate = config.moe_router_bias_update_rate
+        expected.append(router.expert_bias + rate * torch.sign(counts.mean() - counts))
+    _update_router_expert_bias([model], config)
+    reset_model_temporary_tensors(config, [model])
+    for router, bias in zip(routers, expected):
+        torch.testing.assert_close(router.expert_bias, bias)
+        assert float(router.local_tokens_per_expert.sum()) == 0

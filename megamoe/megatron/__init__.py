@@ -1,0 +1,1 @@
+"""Megatron-Core integration: CPU overrides, runtime setup/teardown, small model builders."""

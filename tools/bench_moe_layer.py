@@ -48,21 +48,23 @@ def megatron_moe_layer(config):
     return build_module(spec.submodules.mlp, config=config)
 
 
-def time_fwd_bwd(layer, x, warmup, iters):
-    """Median wall time (ms) of forward + backward."""
+def time_fwd_bwd(layers, x, warmup, iters):
+    """Median wall time (ms) of forward + backward per layer, the layers taking turns each
+    iteration so that background load affects all of them alike."""
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     grad = torch.randn_like(x)
-    times = []
+    times = {name: [] for name in layers}
     for i in range(warmup + iters):
-        sync()
-        start = time.perf_counter()
-        out, _ = layer(x)
-        out.backward(grad)
-        sync()
-        if i >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
-        layer.zero_grad(set_to_none=True)
-    return statistics.median(times)
+        for name, layer in layers.items():
+            sync()
+            start = time.perf_counter()
+            out, _ = layer(x)
+            out.backward(grad)
+            sync()
+            if i >= warmup:
+                times[name].append((time.perf_counter() - start) * 1e3)
+            layer.zero_grad(set_to_none=True)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main(argv=None):
@@ -88,10 +90,11 @@ def main(argv=None):
     layers = {"megamoe": MegatronMoELayer(config), "megatron-core": megatron_moe_layer(config)}
     figures = {"device": torch.cuda.get_device_name() if device == "cuda" else
                f"cpu ({torch.get_num_threads()} threads)", "args": vars(args)}
-    for name, layer in layers.items():
+    for layer in layers.values():
         layer.to(device=device, dtype=dtype).train()
-        figures[name + "_ms"] = time_fwd_bwd(layer, x, args.warmup, args.iters)
-        print(f"{name:14s} forward+backward: {figures[name + '_ms']:9.2f} ms "
+    for name, ms in time_fwd_bwd(layers, x, args.warmup, args.iters).items():
+        figures[name + "_ms"] = ms
+        print(f"{name:14s} forward+backward: {ms:9.2f} ms "
               f"(median of {args.iters}, {args.tokens} tokens, {args.dtype}, {figures['device']})")
     figures["ratio"] = figures["megamoe_ms"] / figures["megatron-core_ms"]
     print(f"ratio megamoe / megatron-core: {figures['ratio']:.3f}")

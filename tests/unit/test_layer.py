@@ -202,3 +202,24 @@ def test_mock_rank_receiving_zero_tokens():
     assert results[1][1] == 0  # rank 1 received no tokens
     for r in range(2):
         torch.testing.assert_close(results[r][0], ref[r], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_on_cuda_matches_cpu(dtype):
+    """The CUDA kernels (grouped GEMM for bf16, the loop for fp32) against the fp32 CPU layer
+    (which gets the same dtype-rounded weights and input, so routing decisions agree)."""
+    layer = make_layer(shared_expert_ffn_size=32, num_experts=8, topk=2)
+    layer.load_state_dict({k: v.to(dtype).float() for k, v in layer.state_dict().items()})
+    x = torch.randn(64, 4, D).to(dtype)
+    ref, _ = layer(x.float())
+    ref.sum().backward()
+    cuda_layer = make_layer(shared_expert_ffn_size=32, num_experts=8, topk=2)
+    cuda_layer.load_state_dict(layer.state_dict())
+    cuda_layer.to("cuda", dtype)
+    out, _ = cuda_layer(x.to("cuda"))
+    out.float().sum().backward()
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(out.float().cpu(), ref.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(cuda_layer.experts.fc1_weight.grad.float().cpu(),
+                               layer.experts.fc1_weight.grad, rtol=tol, atol=tol)

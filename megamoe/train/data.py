@@ -1,0 +1,218 @@
+"""Training batches from Megatron indexed datasets, through megatron-core's own GPT dataset classes.
+
+`build_gpt_datasets` builds the train/valid/test datasets of a data prefix or a weighted blend of
+prefixes with `BlendedMegatronDatasetBuilder` + `GPTDatasetConfig` + `GPTDataset`: documents are
+shuffled and packed into `seq_length + 1`-token samples, deterministically for a seed, and the
+shuffle indices are cached in `index_cache_dir`. Under torch.distributed it must be called on
+every rank: global rank 0 builds the indices first, the others then read them from the cache
+(so the cache directory must be visible to all ranks). It also works without torch.distributed.
+
+`iterate_batches` deals the samples to data-parallel ranks the way Megatron's pretraining sampler
+does: global sample g belongs to micro step g // (micro_batch_size * dp_size) and to rank
+(g % (micro_batch_size * dp_size)) // micro_batch_size. Resuming from `start_sample` (the samples
+the whole data-parallel group already consumed) therefore continues exactly where a run stopped.
+
+Shapes: B micro batch size, S sequence length.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+from typing import Iterator, NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+)
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from torch.utils.data import DataLoader, Dataset
+
+from megamoe.errors import ConfigError, DataError, MegaMoEError
+from megamoe.train.tokenizer import SentencePieceTokenizer
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+class Batch(NamedTuple):
+    """One micro batch for a causal language model; every field is [B, S]."""
+
+    tokens: torch.Tensor  # int64 input ids
+    labels: torch.Tensor  # int64 next-token targets (tokens shifted left by one)
+    loss_mask: torch.Tensor  # float32, 0 where a position must not count in the loss
+    position_ids: torch.Tensor  # int64
+
+
+def _require_helpers() -> None:
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+        raise MegaMoEError(
+            "megatron-core lacks its compiled dataset helpers "
+            "(megatron.core.datasets.helpers_cpp); reinstall it from a wheel, or from source "
+            "with a C++ compiler and pybind11 present"
+        )
+
+
+def _split_vector(split: str) -> list[float]:
+    parts = split.split(",")
+    if not 1 <= len(parts) <= 3 or not all(re.fullmatch(r"\d+(\.\d*)?", p.strip()) for p in parts):
+        raise ConfigError(f"split {split!r} is not 1-3 comma-separated weights, e.g. '98,2,0'")
+    weights = [float(p) for p in parts] + [0.0] * (3 - len(parts))
+    if sum(weights) <= 0:
+        raise ConfigError(f"split {split!r} gives every split zero weight; e.g. use '98,2,0'")
+    return [w / sum(weights) for w in weights]
+
+
+def _check_blend(
+    prefixes: Sequence[str],
+    weights: Optional[Sequence[float]],
+    split: str,
+    split_matrix: list,
+    num_samples: Sequence[Optional[int]],
+) -> None:
+    if not prefixes:
+        raise ConfigError("no data prefix given; pass the PREFIX of PREFIX.bin/PREFIX.idx")
+    if weights is not None:
+        if len(weights) != len(prefixes) or any(w <= 0 for w in weights):
+            raise ConfigError(
+                f"blend weights {list(weights)} must be {len(prefixes)} positive numbers, "
+                "one per prefix"
+            )
+    for name, bounds, size in zip(SPLIT_NAMES, split_matrix, num_samples):
+        if bounds is not None and size is None and weights is not None:
+            raise ConfigError(f"a weighted blend needs a {name} sample count; pass num_samples")
+    for prefix in prefixes:
+        if not IndexedDataset.exists(prefix):
+            raise DataError(
+                f"no indexed dataset at {prefix} ({prefix}.bin/.idx); build it with "
+                "tools/preprocess_data.py"
+            )
+        indexed = IndexedDataset(prefix)  # keep it alive: its lengths view its memory map
+        lengths = indexed.sequence_lengths
+        for name, bounds in zip(SPLIT_NAMES, split_matrix):
+            # megatron's builder rounds the same way, and loops forever on a split without tokens
+            if bounds is not None:
+                begin, end = (int(round(b * len(lengths))) for b in bounds)
+                if lengths[begin:end].sum() == 0:
+                    raise DataError(
+                        f"split {split!r} leaves the {name} split of {prefix} without documents "
+                        f"({len(lengths)} in total); give {name} a larger share or add data"
+                    )
+
+
+def build_gpt_datasets(
+    prefixes: Sequence[str],
+    tokenizer: SentencePieceTokenizer,
+    *,
+    seq_length: int,
+    seed: int,
+    num_samples: Sequence[Optional[int]],
+    index_cache_dir: str | os.PathLike,
+    split: str = "98,2,0",
+    weights: Optional[Sequence[float]] = None,
+    eod_mask_loss: bool = False,
+) -> list[Optional[Dataset]]:
+    """Build the (train, valid, test) GPT datasets of `prefixes`, blended by `weights`.
+
+    `num_samples` holds the number of samples each split must provide (None: one pass over its
+    documents; required for every split when `weights` is given). `split` divides every prefix's
+    documents into train/valid/test by weight. A split with zero weight is returned as None.
+    Samples are dicts with tokens, labels, loss_mask and position_ids of `seq_length` entries.
+    """
+    _require_helpers()
+    if seq_length < 1:
+        raise ConfigError(f"seq_length {seq_length} must be at least 1")
+    if len(num_samples) != 3 or any(n is not None and n < 0 for n in num_samples):
+        raise ConfigError(
+            f"num_samples {list(num_samples)} must be (train, valid, test) counts or None"
+        )
+    prefixes = [str(p) for p in prefixes]
+    split_matrix = convert_split_vector_to_split_matrix(_split_vector(split))
+    _check_blend(prefixes, weights, split, split_matrix, num_samples)
+    # megatron wants a size for every split of a weighted blend, even for splits it skips
+    sizes = [0 if bounds is None else n for bounds, n in zip(split_matrix, num_samples)]
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(prefixes, None if weights is None else [float(w) for w in weights]),
+        split=split,
+        path_to_cache=str(index_cache_dir),
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=False,
+    )
+    builder = BlendedMegatronDatasetBuilder(
+        cls=GPTDataset, sizes=sizes, is_built_on_rank=lambda: True, config=config
+    )
+    with _one_rank_group_unless_distributed():
+        return builder.build()
+
+
+@contextlib.contextmanager
+def _one_rank_group_unless_distributed() -> Iterator[None]:
+    """Without torch.distributed, provide a one-rank gloo group for the duration of the build.
+
+    megatron-core 0.16.1's BlendedDataset asks torch.distributed for the rank even when no
+    process group exists (fixed in later releases); a world of one makes every rank check true.
+    """
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_sample_indices(
+    total: int, micro_batch_size: int, dp_rank: int, dp_size: int, start_sample: int
+) -> Iterator[list[int]]:
+    """Sample indices of each of this rank's micro batches; stops before an incomplete step."""
+    step = micro_batch_size * dp_size
+    first = start_sample
+    while first + step <= total:
+        begin = first + dp_rank * micro_batch_size
+        yield list(range(begin, begin + micro_batch_size))
+        first += step
+
+
+def _collate(samples: list[dict]) -> Batch:
+    return Batch(*(torch.stack([sample[key] for sample in samples]) for key in Batch._fields))
+
+
+def iterate_batches(
+    dataset: Dataset,
+    *,
+    micro_batch_size: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    start_sample: int = 0,
+    num_workers: int = 0,
+) -> Iterator[Batch]:
+    """Yield this data-parallel rank's micro batches of `dataset`, starting at global sample
+    `start_sample`, until fewer than `micro_batch_size * dp_size` samples remain.
+
+    Every rank yields the same number of batches; `num_workers` loader processes prefetch them.
+    """
+    if micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ConfigError(
+            f"micro_batch_size {micro_batch_size}, dp_rank {dp_rank}, dp_size {dp_size}: need "
+            "micro_batch_size >= 1 and 0 <= dp_rank < dp_size"
+        )
+    if not 0 <= start_sample <= len(dataset):
+        raise DataError(
+            f"start sample {start_sample} is outside the dataset's {len(dataset)} samples; "
+            "build the dataset with enough train samples for the resumed run"
+        )
+    indices = _rank_sample_indices(len(dataset), micro_batch_size, dp_rank, dp_size, start_sample)
+    loader = DataLoader(
+        dataset, batch_sampler=indices, num_workers=num_workers, collate_fn=_collate
+    )
+    return iter(loader)

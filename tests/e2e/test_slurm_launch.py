@@ -1,0 +1,126 @@
+"""SLURM launch mechanics on a real two-node Slurm cluster running on this machine.
+
+The cluster (launch/local_cluster.py) is started once per module and skipped, with the reason,
+where Slurm cannot be installed. A throwaway batch script proves what launch/pretrain_moe.sh relies
+on: `srun` starts one task per node, and torchrun agents on both nodes meet in a c10d rendezvous
+hosted on the first node of the allocation, then their workers all-reduce over gloo.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PRETRAIN_SCRIPT = REPO / "launch" / "pretrain_moe.sh"
+
+
+def _load_local_cluster():
+    """Import launch/local_cluster.py (launch/ is a folder of scripts, not a package)."""
+    path = REPO / "launch" / "local_cluster.py"
+    spec = importlib.util.spec_from_file_location("local_cluster", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+local_cluster = _load_local_cluster()
+
+# One torchrun per node, rendezvous on the allocation's first node, exactly as pretrain_moe.sh does.
+RENDEZVOUS_JOB = """\
+#!/bin/bash
+set -euo pipefail
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+echo "head node: $head_node"
+srun --ntasks-per-node=1 --label \\
+    "$PYTHON" -m torch.distributed.run --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=1 \\
+        --rdzv-backend=c10d --rdzv-endpoint="$head_node:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \\
+        allreduce.py
+"""
+
+ALLREDUCE = """\
+import os
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+value = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(value)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()} on {os.environ['SLURMD_NODENAME']}"
+      f" sum {value.item()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A running two-node local cluster; skipped where Slurm cannot be installed."""
+    try:
+        local_cluster.ensure_installed()
+    except local_cluster.ClusterError as err:
+        pytest.skip(f"no local Slurm cluster: {err}")
+    running = local_cluster.start_cluster(tmp_path_factory.mktemp("slurm"), timeout=60)
+    yield running
+    running.teardown()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_rendezvous_spans_both_nodes(cluster, tmp_path):
+    (tmp_path / "job.sh").write_text(RENDEZVOUS_JOB)
+    (tmp_path / "allreduce.py").write_text(ALLREDUCE)
+    log = tmp_path / "job.out"
+    env = {"PYTHON": sys.executable, "RDZV_PORT": str(_free_port())}
+    result = cluster.run_job(tmp_path / "job.sh", sbatch_args=["--nodes=2", f"--output={log}"],
+                             cwd=tmp_path, env=env, timeout=180)
+    text = log.read_text()
+    assert result.state == "COMPLETED", f"job ended {result.state} ({result.exit_code}):\n{text}"
+
+    workers = re.findall(r"^(\d+): rank (\d+) of (\d+) on (\S+) sum (\S+)$", text, re.MULTILINE)
+    assert len(workers) == 2, text
+    assert {task for task, *_ in workers} == {"0", "1"}          # one srun task per node
+    assert {rank for _, rank, *_ in workers} == {"0", "1"}
+    assert {world for _, _, world, *_ in workers} == {"2"}
+    assert {node for *_, node, _ in workers} == set(cluster.nodes)  # both nodes took part
+    assert {float(total) for *_, total in workers} == {1.0 + 2.0}   # ranks contribute rank + 1
+
+
+def test_pretrain_script_parses():
+    subprocess.run(["bash", "-n", str(PRETRAIN_SCRIPT)], check=True, timeout=30)
+
+
+def test_pretrain_script_passes_shellcheck():
+    if not shutil.which("shellcheck"):
+        try:
+            local_cluster.apt_install(["shellcheck"], timeout=300)
+        except local_cluster.ClusterError as err:
+            pytest.skip(f"shellcheck not available: {err}")
+    done = subprocess.run(["shellcheck", str(PRETRAIN_SCRIPT)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout
+
+
+@pytest.mark.parametrize("slurm_env, args, message", [
+    ({}, ["configs/x.yaml"], "submit this script with sbatch"),
+    ({"SLURM_JOB_ID": "1"}, [], "no config given"),
+])
+def test_pretrain_script_refuses_bad_use(slurm_env, args, message, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("CONFIG", raising=False)
+    for key, value in slurm_env.items():
+        monkeypatch.setenv(key, value)
+    done = subprocess.run(["bash", str(PRETRAIN_SCRIPT), *args], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 2
+    assert message in done.stderr and done.stdout == ""

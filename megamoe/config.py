@@ -21,7 +21,7 @@ BALANCING = ("bias", "aux_loss", "seq_aux_loss", "none")
 DROP_POLICIES = ("probs", "position")
 ACTIVATIONS = ("swiglu", "gelu", "squared_relu")
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
-DISPATCHERS = ("alltoall",)
+DISPATCHERS = ("alltoall", "allgather")
 
 
 @dataclass
@@ -100,7 +100,9 @@ class MoEConfig:
     """Precision of the router logits and scores: `fp32` or `fp64`."""
 
     dispatcher: str = "alltoall"
-    """Token dispatcher across expert-parallel ranks: `alltoall`."""
+    """Token dispatcher across expert-parallel ranks: `alltoall` (sends each token only to the
+    ranks of its experts) or `allgather` (every rank receives all tokens; routing-independent
+    volume, for small expert-parallel groups or many experts per token)."""
 
     init_method_std: float = 0.02
     """Std of the normal init used when no Megatron init method is given."""

@@ -15,6 +15,7 @@ from megamoe.config import MoEConfig
 from megamoe.dispatch import DISPATCHERS
 from megamoe.experts import GroupedExperts, SharedExpert
 from megamoe.parallel.comm import Comm, SingleComm
+from megamoe.parallel.overlap import join_side_stream, start_on_side_stream
 from megamoe.routing import ROUTERS, Routing, apply_capacity
 
 
@@ -39,8 +40,13 @@ class MoELayer(nn.Module):
         cfg.check_expert_parallel(self.ep_comm.size)
         self.router = ROUTERS[cfg.router_type](cfg, init_method)
         self.dispatcher = DISPATCHERS[cfg.dispatcher](cfg.num_experts, self.ep_comm)
-        self.experts = GroupedExperts(cfg, cfg.num_experts // self.ep_comm.size, init_method,
-                                      output_init_method)
+        # Experts on different expert-parallel ranks must start different: seed their init with
+        # a draw from the default generator (identical on every rank) plus the rank.
+        seed = int(torch.randint(0, 2**62, ()))
+        with torch.random.fork_rng(devices=[]):
+            torch.random.default_generator.manual_seed(seed + self.ep_comm.rank)
+            self.experts = GroupedExperts(cfg, cfg.num_experts // self.ep_comm.size, init_method,
+                                          output_init_method)
         self.shared_experts = (SharedExpert(cfg, init_method, output_init_method)
                                if cfg.shared_expert_ffn_size else None)
 
@@ -58,14 +64,17 @@ class MoELayer(nn.Module):
         x_TD = hidden_SBD.reshape(S * B, D)
         padding_T = None if padding_mask is None else padding_mask.t().reshape(-1)
         routing = self.router(x_TD, padding_T)
-        losses = self.balance_losses(routing, S, B)
+        losses = self.balance_losses(routing, S, B) if self.training else {}
         if self.cfg.capacity_factor is not None:
             routing = apply_capacity(routing, self.cfg.capacity_factor, self.cfg.drop_policy)
         self.router.record(routing, losses)
+        # On CUDA the shared expert runs on a side stream, overlapping the dispatch.
+        shared_TD = (start_on_side_stream(self.shared_experts, x_TD)
+                     if self.shared_experts is not None else None)
         y_TD = self.routed_experts(x_TD, routing)
-        if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(x_TD)
-        if self.training and losses:
+        if shared_TD is not None:
+            y_TD = y_TD + join_side_stream(shared_TD)
+        if losses:
             y_TD = MoEAuxLossAutoScaler.apply(y_TD, sum(self._weighted(losses).values()))
         return y_TD.view(S, B, D), None
 

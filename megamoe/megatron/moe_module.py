@@ -4,7 +4,8 @@ TransformerLayer builds the mlp module with `config` (0.16) or `config, pg_colle
 is_mtp_layer, name` (0.19), plus the spec's `params`. `MegatronMoELayer` accepts both, reads the
 user's `moe_*` settings from the TransformerConfig (`MoEConfig.from_transformer_config`) with the
 spec's `moe` overrides on top, and takes its process groups from the pg_collection (or
-Megatron's parallel_state).
+Megatron's parallel_state). Its `sharded_state_dict` writes Megatron-Core's own MoE checkpoint
+layout with experts keyed by global id (`megamoe.megatron.sharded_state`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megamoe.config import MoEConfig
 from megamoe.errors import ConfigError
 from megamoe.layer import MoELayer
+from megamoe.megatron.sharded_state import drop_extra_state_placeholders, moe_sharded_state_dict
 from megamoe.parallel.comm import as_comm
 
 
@@ -35,8 +37,16 @@ class MegatronMoELayer(MoELayer):
                          init_method=config.init_method,
                          output_init_method=config.output_layer_init_method)
         self.config = config
+        self.pg_collection = pgs
         if layer_number is not None:
             self.set_layer_number(layer_number)
+        self.register_load_state_dict_pre_hook(drop_extra_state_placeholders)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """Megatron-Core's MoE checkpoint layout (experts on a global expert axis), called by
+        TransformerLayer with the layer's prefix and offsets."""
+        return moe_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
 
 def _check_supported_parallelism(config: Any, pgs: Any) -> None:

@@ -112,7 +112,8 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.all_to_all(grad.contiguous(), ctx.in_splits, ctx.out_splits), None, None, None
+        grad_in = ctx.comm.all_to_all(grad.contiguous(), ctx.in_splits, ctx.out_splits)
+        return grad_in, None, None, None
 
 
 def all_to_all(comm: Comm, x: torch.Tensor, out_splits: list[int],

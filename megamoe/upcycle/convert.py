@@ -1,0 +1,209 @@
+"""Convert a dense Megatron-Core checkpoint into an MoE checkpoint, streaming layer by layer.
+
+Output, in Megatron-LM's layout so `--load OUT` finds it: `OUT/latest_checkpointed_iteration.txt`
+("release": the iteration counter restarts and no optimizer state is expected),
+`OUT/release/` (the torch_dist checkpoint), `OUT/upcycle_recipe.json` (the recipe, also stored
+in the checkpoint's common state under `upcycle_recipe`) and `OUT/upcycle_metrics.jsonl` (one
+line per written part: seconds, bytes, MB/s). Everything is written to a temporary directory
+that is renamed to OUT only when the conversion (and `verify`, if asked) succeeded.
+
+Memory: one dense layer, one expert at a time, and one non-layer tensor (e.g. the embedding).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from tqdm import tqdm
+
+from megamoe.atomic import atomic_directory
+from megamoe.errors import CheckpointError, ConfigError
+from megamoe.upcycle.dcp_writer import StreamingCheckpointWriter
+from megamoe.upcycle.granular import MLPWeights
+from megamoe.upcycle.layout import KeyLayout, whole_tensor
+from megamoe.upcycle.moe_layer import dense_layer_items, layer_dense_mlp, moe_layer_items
+from megamoe.upcycle.recipe import UpcycleRecipe
+from megamoe.upcycle.source import TRACKER, DenseSource, open_dense_checkpoint
+
+CHECKPOINT_SUBDIR = "release"
+RECIPE_FILE = "upcycle_recipe.json"
+METRICS_FILE = "upcycle_metrics.jsonl"
+VERIFY_TOLERANCE = 1e-4
+# Megatron-LM argument names of the TransformerConfig fields in `megatron_settings`.
+ARG_NAMES = {"num_moe_experts": "num_experts"}
+
+
+@dataclass
+class UpcycleResult:
+    output: Path
+    """The Megatron-LM checkpoint root (pass it to `--load`)."""
+    checkpoint_dir: Path
+    """The torch_dist directory (pass it to `dist_checkpointing.load`)."""
+    record: dict
+    """What `upcycle_recipe.json` holds."""
+    bytes_written: int
+    seconds: float
+    max_logit_diff: Optional[float] = None
+
+
+def resolve_activation(recipe: UpcycleRecipe, source: DenseSource, gated: bool) -> str:
+    """The dense activation: the recipe's, else swiglu for a GLU, else Megatron-LM's args."""
+    if recipe.activation is not None:
+        return recipe.activation
+    if gated:
+        return "swiglu"
+    if source.args is not None and getattr(source.args, "squared_relu", False):
+        return "squared_relu"
+    return "gelu"
+
+
+def _check_paths(load: Path, save: Path) -> None:
+    load, save = load.resolve(), save.resolve()
+    if load == save or save in load.parents or load in save.parents:
+        raise ConfigError(f"output {save} overlaps the input {load}; choose a separate directory")
+
+
+def _moe_args(args: argparse.Namespace, settings: dict) -> argparse.Namespace:
+    """Megatron-LM's saved args with the MoE settings applied."""
+    moe_args = copy.copy(args)
+    for name, value in settings.items():
+        setattr(moe_args, ARG_NAMES.get(name, name), value)
+    return moe_args
+
+
+def upcycle_checkpoint(load, save, recipe: UpcycleRecipe, overwrite: bool = False,
+                       verify: bool = False, arch_overrides: Optional[dict] = None,
+                       progress: bool = True,
+                       log: Callable[[str], None] = print) -> UpcycleResult:
+    """Upcycle the dense checkpoint at `load` into an MoE checkpoint at `save` by `recipe`.
+
+    verify: afterwards load the dense and the MoE model (Megatron-Core's own MoE GPTModel) and
+    compare logits; for a function-preserving recipe the max |difference| must be <= 1e-4.
+    arch_overrides: TransformerConfig fields for `verify` that the checkpoint does not record
+    (e.g. {"num_attention_heads": 16}).
+    """
+    load, save = Path(load), Path(save)
+    if verify and recipe.topk % recipe.granularity:
+        raise ConfigError(f"--verify checks function preservation, which needs topk={recipe.topk} "
+                          f"to be a multiple of granularity={recipe.granularity}")
+    _check_paths(load, save)
+    source = open_dense_checkpoint(load)
+    pattern = recipe.layer_pattern(source.num_layers)
+    layout = KeyLayout(recipe.resolved_key_layout(), source.num_layers)
+    start = time.perf_counter()
+    with atomic_directory(save, overwrite=overwrite) as tmp:
+        log(f"upcycling {source.description}: {sum(pattern)}/{source.num_layers} layers -> "
+            f"{recipe.num_experts} experts (G={recipe.granularity}, top-{recipe.topk}), "
+            f"{layout.kind} keys")
+        checkpoint_dir = tmp / CHECKPOINT_SUBDIR
+        checkpoint_dir.mkdir()
+        writer = StreamingCheckpointWriter(checkpoint_dir)
+        metrics, mlp_info = _write_parts(source, pattern, layout, recipe, writer, progress)
+        record = _record(recipe, source, load, pattern, layout.kind, mlp_info)
+        common = {"checkpoint_version": 3.0, "iteration": 0, "upcycle_recipe": record}
+        if source.args is not None:
+            common["args"] = _moe_args(source.args, record["megatron_settings"])
+        writer.finish(common)
+        (tmp / TRACKER).write_text(CHECKPOINT_SUBDIR)
+        (tmp / RECIPE_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        (tmp / METRICS_FILE).write_text("".join(json.dumps(m) + "\n" for m in metrics))
+        seconds = time.perf_counter() - start
+        log(f"wrote {writer.bytes_written / 2**20:.1f} MiB in {seconds:.1f} s "
+            f"({writer.bytes_written / 2**20 / max(seconds, 1e-9):.1f} MiB/s)")
+        max_diff = _verify(source, checkpoint_dir, record, arch_overrides, log) if verify else None
+    return UpcycleResult(save, save / CHECKPOINT_SUBDIR, record, writer.bytes_written, seconds,
+                         max_diff)
+
+
+def _write_parts(source: DenseSource, pattern: list[bool], layout: KeyLayout,
+                 recipe: UpcycleRecipe, writer: StreamingCheckpointWriter,
+                 progress: bool) -> tuple[list[dict], dict]:
+    """Write every layer (upcycled where `pattern` says), then the embeddings and output layer.
+    Returns per-part metrics and the MoE layers' dense MLP shape."""
+    metrics, mlp_info = [], {}
+    bar = tqdm(total=len(pattern) + 1, desc="upcycle", unit="layer", disable=not progress)
+    for index, is_moe in enumerate(pattern):
+        start = time.perf_counter()
+        dense = source.layer(index)
+        if is_moe:
+            _check_same_mlp(mlp_info, layer_dense_mlp(dense, index), index)
+            activation = resolve_activation(recipe, source, mlp_info["gated"])
+            items = moe_layer_items(layout, index, dense, recipe, activation)
+        else:
+            items = dense_layer_items(layout, index, dense)
+        written = writer.write_part(*items)
+        del dense, items
+        metrics.append(_metric(f"layer {index}", is_moe, written, start))
+        bar.update(1)
+    start, written = time.perf_counter(), 0
+    for key, tensor in source.non_layer_tensors():
+        written += writer.write_part([whole_tensor(key, tensor)])
+    written += writer.write_part((), source.non_layer_objects())
+    metrics.append(_metric("embeddings and output layer", False, written, start))
+    bar.update(1)
+    bar.close()
+    return metrics, mlp_info
+
+
+def _check_same_mlp(info: dict, mlp: MLPWeights, layer: int) -> None:
+    """Megatron's MoE config has one expert size: every MoE layer's dense MLP must match."""
+    shape = {"dense_ffn_hidden_size": mlp.ffn_size, "hidden_size": mlp.fc1.shape[1],
+             "gated": mlp.gated}
+    if info and info != shape:
+        raise ConfigError(f"layer {layer}'s MLP {shape} differs from the earlier MoE layers' "
+                          f"{info}; upcycle layers of one MLP shape (see --moe-layers)")
+    info.update(shape)
+
+
+def _metric(part: str, moe: bool, written: int, start: float) -> dict:
+    seconds = time.perf_counter() - start
+    return {"part": part, "moe": moe, "seconds": round(seconds, 4), "bytes": written,
+            "mb_per_s": round(written / 1e6 / max(seconds, 1e-9), 2)}
+
+
+def _record(recipe: UpcycleRecipe, source: DenseSource, load: Path, pattern: list[bool],
+            key_layout: str, mlp_info: dict) -> dict:
+    """The recipe metadata stored with the output."""
+    activation = resolve_activation(recipe, source, mlp_info["gated"])
+    preserving, reason = recipe.function_preserving(mlp_info["gated"], activation)
+    return {
+        "tool": "megamoe.upcycle",
+        "recipe": recipe.to_dict(),
+        "method": ("granular" if recipe.granularity > 1 else "sparse_copy")
+        + ("+drop" if recipe.drop_ratio > 0 else ""),
+        "source": {"path": str(load.resolve()), "format": source.format,
+                   "description": source.description},
+        "num_layers": source.num_layers,
+        "moe_layer_pattern": [int(moe) for moe in pattern],
+        "key_layout": key_layout,
+        "activation": activation,
+        **mlp_info,
+        "megatron_settings": recipe.megatron_settings(source.num_layers,
+                                                      mlp_info["dense_ffn_hidden_size"]),
+        "function_preserving": preserving,
+        "not_function_preserving_because": reason or None,
+        "optimizer_state": "not carried; iteration restarts at 0",
+    }
+
+
+def _verify(source: DenseSource, checkpoint_dir: Path, record: dict,
+            arch_overrides: Optional[dict], log: Callable[[str], None]) -> float:
+    """Compare dense and MoE logits; enforce the bar for function-preserving recipes."""
+    from megamoe.upcycle.verify import max_logit_difference
+
+    diff = max_logit_difference(source, checkpoint_dir, record, arch_overrides or {})
+    if record["function_preserving"]:
+        log(f"verify: max |logit diff| = {diff:.3e} (bar {VERIFY_TOLERANCE:.0e})")
+        if not diff <= VERIFY_TOLERANCE:
+            raise CheckpointError(f"verification failed: max |logit diff| {diff:.3e} exceeds "
+                                  f"{VERIFY_TOLERANCE:.0e} for a function-preserving recipe; "
+                                  "no output was written")
+    else:
+        log(f"verify: max |logit diff| = {diff:.3e} (no bar: "
+            f"{record['not_function_preserving_because']})")
+    return diff

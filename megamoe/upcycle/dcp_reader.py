@@ -1,0 +1,112 @@
+"""Random access to one tensor, or one slice of it, in a PyTorch Distributed Checkpoint.
+
+`dcp.load` fills a whole state dict; an upcycler streaming layer by layer wants one layer's slice
+of a stacked `[L, ...]` tensor at a time. This reader asks DCP's own `FileSystemReader` for the
+saved chunks overlapping the requested region (DCP's resharding logic) and copies them into a
+tensor of just that region, so memory holds one slice (plus the saved chunk being copied).
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
+                                                   MetadataIndex, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from megamoe.errors import CheckpointError
+
+
+class _Target:
+    """What DCP's reader asks the planner for: where each read item's data goes."""
+
+    def __init__(self, tensor: Optional[torch.Tensor] = None):
+        self.tensor = tensor
+        self.data: Optional[bytes] = None
+        self.elements = 0
+
+    def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
+        view = self.tensor
+        for dim, (start, length) in enumerate(zip(item.dest_offsets, item.lengths)):
+            view = view.narrow(dim, start, length)
+        self.elements += view.numel()
+        return view
+
+    def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
+        """The reader copied the data into the view from `resolve_tensor`: nothing to stage."""
+
+    def load_bytes(self, item: ReadItem, value: io.BytesIO) -> None:
+        self.data = value.getvalue()
+
+
+class DCPReader:
+    """Tensors and sharded objects of a DCP checkpoint directory, read one at a time."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        self._reader = FileSystemReader(self.directory)
+        try:
+            self.metadata = self._reader.read_metadata()
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.directory} has no .metadata file; the torch_dist "
+                                  "checkpoint is incomplete") from None
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as err:
+            raise CheckpointError(f"{self.directory}/.metadata is corrupt ({err}); re-save the "
+                                  "checkpoint") from None
+        self._reader.set_up_storage_reader(self.metadata, is_coordinator=True)
+
+    def tensors(self) -> dict[str, TensorStorageMetadata]:
+        """Every tensor key with its global shape, dtype and saved chunks."""
+        return {key: md for key, md in self.metadata.state_dict_metadata.items()
+                if isinstance(md, TensorStorageMetadata)}
+
+    def objects(self) -> list[str]:
+        """Every sharded-object key."""
+        return [key for key, md in self.metadata.state_dict_metadata.items()
+                if isinstance(md, BytesStorageMetadata)]
+
+    def read(self, key: str, offsets: Optional[Sequence[int]] = None,
+             shape: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """The region [offsets, offsets + shape) of global tensor `key` (all of it by default)."""
+        md = self.metadata.state_dict_metadata[key]
+        offsets = tuple(offsets) if offsets is not None else (0,) * len(md.size)
+        shape = tuple(shape) if shape is not None else tuple(md.size)
+        target = _Target(torch.empty(shape, dtype=md.properties.dtype))
+        request = ChunkStorageMetadata(torch.Size(offsets), torch.Size(shape))
+        self._run(create_read_items_for_chunk_list(key, md, [request]), target, key)
+        if target.elements != target.tensor.numel():
+            raise CheckpointError(f"{self.directory}: the saved chunks of {key} cover "
+                                  f"{target.elements} of the {target.tensor.numel()} elements "
+                                  f"requested at {offsets}; the checkpoint is incomplete")
+        return target.tensor
+
+    def read_object(self, key: str) -> bytes:
+        """The serialized bytes of sharded object `key`."""
+        target = _Target()
+        zero = torch.Size([0])
+        item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(key),
+                        dest_offsets=zero, storage_index=MetadataIndex(key),
+                        storage_offsets=zero, lengths=zero)
+        self._run([item], target, key)
+        return target.data
+
+    def _run(self, items: list[ReadItem], target: _Target, key: str) -> None:
+        try:
+            self._reader.read_data(LoadPlan(items), target).wait()
+        except FileNotFoundError as err:
+            raise CheckpointError(f"{self.directory}: data file {Path(err.filename).name} of "
+                                  f"{key} is missing; the checkpoint is incomplete") from None
+        except (RuntimeError, EOFError, pickle.UnpicklingError, KeyError) as err:
+            raise CheckpointError(f"{self.directory}: cannot read {key} ({_first_line(err)}); "
+                                  "the checkpoint is corrupt") from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__

@@ -1,0 +1,76 @@
+"""Pretrain an MoE GPT with Megatron-Core and megamoe layers.
+
+    python -m megamoe.train --config configs/tiny_cpu.yaml [section.key=value ...]
+    torchrun --nproc-per-node=2 -m megamoe.train --config configs/tiny_cpu.yaml
+    megamoe-train --config configs/tiny_cpu.yaml output_dir=runs/mine   (installed script)
+
+Runs alone or under torchrun / launch/pretrain_moe.sh, on CPU (gloo) or GPUs (NCCL). A run whose
+checkpoint folder already holds a checkpoint resumes from it; one that has already reached
+`training.train_steps` exits at once. A bad config or override exits with code 2 and one line.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+
+from megamoe.errors import ConfigError, run_cli
+from megamoe.train.config import load_config
+from megamoe.train.progress import iteration_of, latest_checkpoint
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one-line ConfigErrors (exit code 2 through run_cli)."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (see --help)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m megamoe.train", description=__doc__.split("\n\n")[0],
+                     epilog="Overrides: section.key=value, e.g. training.train_steps=20 "
+                            "output_dir=runs/x; see megamoe/train/config.py for every key.")
+    parser.add_argument("--config", required=True, help="the run's YAML config, e.g. "
+                        "configs/tiny_cpu.yaml")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="config overrides (values are YAML)")
+    return parser
+
+
+def _main(argv: list[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    config = load_config(args.config, args.overrides)
+    latest = latest_checkpoint(config.checkpoint_dir)
+    if latest is not None and iteration_of(latest) >= config.training.train_steps:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{config.output_dir}: already trained {iteration_of(latest)} of "
+                  f"{config.training.train_steps} steps ({latest}); nothing to do", flush=True)
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        # Megatron's fused kernels are torch.compile'd: seconds per first call on CPU, no gain.
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    _quiet_megatron()
+    from megamoe.train.loop import run
+
+    return run(config)
+
+
+def _quiet_megatron() -> None:
+    """Megatron's expected warnings on this path (no apex or Transformer Engine, a plugin MLP
+    spec) would bury the training output; real errors still surface as exceptions."""
+    warnings.filterwarnings("ignore", module=r"megatron\.")
+    warnings.filterwarnings("ignore", module=r"torch\.distributed\.checkpoint")
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of `python -m megamoe.train` and the `megamoe-train` script."""
+    run_cli(_main, sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    main()

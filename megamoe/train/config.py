@@ -1,0 +1,500 @@
+"""The training run's configuration: schema, YAML loading, `key=value` overrides, validation.
+
+A run is described by one YAML file with the sections below (every field has a default except
+where noted) and optional command-line overrides `section.field=value` (`output_dir=...` at the
+top level). Values are parsed as YAML (`lr=3e-4`, `prefixes=[a,b]`) and checked against the
+field's type. An unknown key, in the file or an override, is an error that names the closest
+known key. The `moe` section takes any `megamoe.MoEConfig` field (except `hidden_size`, which
+comes from `model`) plus `layer_overrides: {layer index: {MoEConfig fields}}`, and is validated by
+building the MoEConfig.
+
+    output_dir: runs/tiny
+    model:      {num_layers, hidden_size, num_attention_heads, ffn_hidden_size, seq_length, ...}
+    moe:        {num_experts, ffn_hidden_size, topk, balancing, ..., layer_overrides}
+    parallel:   {tensor, pipeline, expert}
+    data:       {prefixes, weights, tokenizer_model, cache_dir, split, ...}
+    training:   {train_steps, micro_batch_size, global_batch_size, seed, precision, ...}
+    optimizer:  {lr, min_lr, warmup_steps, decay_style, weight_decay, ...}
+    checkpoint: {interval, dir, init_from, keep_last}
+    logging:    {interval, tensorboard, wandb, ...}
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+from megamoe.config import MoEConfig
+from megamoe.errors import ConfigError
+
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+PRECISIONS = ("auto", "fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+DECAY_STYLES = ("cosine", "linear", "constant")
+
+
+@dataclass
+class ModelConfig:
+    """The GPT architecture (Megatron-Core GPTModel) around the MoE layers."""
+
+    num_layers: int = 4
+    """Transformer layers."""
+    hidden_size: int = 128
+    """Model width D."""
+    num_attention_heads: int = 4
+    """Attention heads."""
+    num_query_groups: Optional[int] = None
+    """Grouped-query attention: key/value heads (None: one per attention head)."""
+    ffn_hidden_size: int = 512
+    """MLP size of the dense (non-MoE) layers."""
+    seq_length: int = 128
+    """Tokens per training sample."""
+    normalization: str = "RMSNorm"
+    """`RMSNorm` or `LayerNorm`."""
+    position_embedding: str = "learned_absolute"
+    """`learned_absolute` or `rope` (rotary; needs CUDA in Megatron-Core)."""
+    rotary_base: int = 10000
+    """RoPE base period."""
+    swiglu: bool = True
+    """Dense MLPs (and, unless `moe.activation` says otherwise, experts) use SwiGLU."""
+    qk_layernorm: bool = False
+    """Normalise queries and keys before attention."""
+    share_embeddings: bool = False
+    """Tie the input embedding and the output layer."""
+    init_method_std: float = 0.02
+    """Std of the normal weight initialisation."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention and MLP."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    first_k_dense: int = 0
+    """The first k layers have a dense MLP instead of experts (DeepSeek-V3 uses 3)."""
+    moe_layer_freq: Union[int, list[int]] = 1
+    """MoE layer pattern: every n-th layer, or a 0/1 list with one entry per layer."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the tokenizer's vocabulary to a multiple of this (times tensor-parallel size)."""
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron-Core parallel sizes; data parallelism takes the remaining ranks."""
+
+    tensor: int = 1
+    """Tensor-parallel size (sequence parallelism is switched on when > 1)."""
+    pipeline: int = 1
+    """Pipeline-parallel size (GPU only)."""
+    expert: int = 1
+    """Expert-parallel size: the experts of each MoE layer are split over this many ranks."""
+    first_stage_layers: Optional[int] = None
+    """Pipeline: layers of the first stage when `num_layers` does not split evenly (the middle
+    stages share the rest equally)."""
+    last_stage_layers: Optional[int] = None
+    """Pipeline: layers of the last stage (see `first_stage_layers`)."""
+
+
+@dataclass
+class DataConfig:
+    """Training data: Megatron indexed datasets, or the built-in default corpus."""
+
+    prefixes: list[str] = field(default_factory=list)
+    """PREFIX of PREFIX.bin/.idx files (tools/preprocess_data.py); empty: the default corpus
+    (Python standard library prose, built once under `cache_dir`)."""
+    weights: Optional[list[float]] = None
+    """Blend weights, one per prefix (None: one pass over each)."""
+    tokenizer_model: Optional[str] = None
+    """SentencePiece `.model` of the prefixes (required with `prefixes`)."""
+    cache_dir: str = "~/.cache/megamoe"
+    """Where the default corpus and the dataset index caches live (shared by all ranks)."""
+    split: str = "100,0,0"
+    """train/valid/test document split weights."""
+    vocab_size: int = 4096
+    """Tokenizer size of the default corpus (ignored with `prefixes`)."""
+    num_workers: int = 0
+    """Data loader worker processes per rank."""
+    eod_mask_loss: bool = False
+    """Do not train on predicting the end-of-document token."""
+
+
+@dataclass
+class TrainingConfig:
+    """Steps, batch sizes, precision, device."""
+
+    train_steps: int = 100
+    """Optimizer steps of the whole run (a resumed run continues up to this count)."""
+    micro_batch_size: int = 4
+    """Samples per forward/backward on one data-parallel rank."""
+    global_batch_size: int = 16
+    """Samples per optimizer step over all data-parallel ranks (gradient accumulation makes up
+    the rest)."""
+    seed: int = 1234
+    """Seed of weight initialisation, dropout and data order."""
+    precision: str = "auto"
+    """`auto` (bf16 on CUDA, fp32 on CPU), `fp32` or `bf16`."""
+    device: str = "auto"
+    """`auto` (CUDA when available), `cpu` or `cuda`."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    exit_interval: int = 0
+    """Save and exit 0 whenever the step count is a multiple of this (0: never), so a long run
+    proceeds in chunks (a rerun of the same command resumes); as Megatron-LM's --exit-interval."""
+    collective_timeout_s: float = 600.0
+    """A collective waiting longer than this (a dead rank) fails instead of hanging."""
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with linear warm-up and decay to `min_lr`."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the decay."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up from 0 to `lr`."""
+    decay_style: str = "cosine"
+    """`cosine`, `linear` or `constant` after warm-up."""
+    decay_steps: Optional[int] = None
+    """Steps of decay after warm-up (None: until `train_steps`)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Megatron-Core distributed checkpoints (torch_dist)."""
+
+    interval: int = 0
+    """Save every this many steps (0: only at the end and on SIGTERM/SIGUSR1)."""
+    dir: Optional[str] = None
+    """Checkpoint folder (None: OUTPUT_DIR/checkpoints). A run resumes from its `latest`."""
+    init_from: Optional[str] = None
+    """Start a new run from these model weights (e.g. tools/upcycle_ckpt.py output); ignored
+    when the run resumes from its own checkpoint."""
+    keep_last: int = 2
+    """Keep this many newest checkpoints (0: keep all)."""
+
+
+@dataclass
+class LoggingConfig:
+    """Console, JSONL, TensorBoard and wandb metrics."""
+
+    interval: int = 10
+    """Print and log every this many steps (the JSONL file gets every step)."""
+    tensorboard: bool = True
+    """Write TensorBoard events to OUTPUT_DIR/tensorboard (when tensorboard is installed)."""
+    wandb: bool = False
+    """Log to Weights & Biases: online with WANDB_API_KEY set, else offline into OUTPUT_DIR."""
+    wandb_project: str = "megamoe"
+    """wandb project name."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar on rank 0."""
+
+
+@dataclass
+class TrainConfig:
+    """A whole training run."""
+
+    output_dir: str = "runs/default"
+    """Metrics, TensorBoard, the resolved config and (by default) checkpoints go here."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: dict = field(default_factory=dict)
+    """MoEConfig fields (see megamoe.config.MoEConfig; `num_experts` and `ffn_hidden_size` are
+    required) and `layer_overrides: {layer index (0-based): {MoEConfig fields}}`. Metrics number
+    layers from 1, as Megatron's layer_number: index 2 is `moe/layer3`."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Where this run's checkpoints and `latest` marker live."""
+        return Path(self.checkpoint.dir or Path(self.output_dir) / "checkpoints")
+
+    def moe_config(self, layer: Optional[int] = None) -> MoEConfig:
+        """The MoEConfig of MoE layers (with layer `layer`'s overrides, if given)."""
+        fields = {k: v for k, v in self.moe.items() if k != "layer_overrides"}
+        fields.update(self.moe.get("layer_overrides", {}).get(layer, {}))
+        # What Megatron's TransformerConfig would give the layer (see megamoe.train.model).
+        fields.setdefault("activation", "swiglu" if self.model.swiglu else "gelu")
+        fields.setdefault("init_method_std", self.model.init_method_std)
+        return MoEConfig(hidden_size=self.model.hidden_size, **fields)
+
+    def to_dict(self) -> dict:
+        """Plain nested data (what `dump_config` writes and checkpoints store)."""
+        return dataclasses.asdict(self)
+
+
+_SECTIONS = [f.name for f in dataclasses.fields(TrainConfig)]
+_MOE_REQUIRED = ("num_experts", "ffn_hidden_size")
+
+
+def _section_types() -> dict[str, Any]:
+    hints = typing.get_type_hints(TrainConfig)
+    return {name: hints[name] for name in _SECTIONS}
+
+
+def _moe_field_types() -> dict[str, Any]:
+    hints = typing.get_type_hints(MoEConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(MoEConfig) if f.name != "hidden_size"}
+
+
+def known_keys() -> list[str]:
+    """Every dotted key a config may set (MoE layer overrides excepted)."""
+    keys = []
+    for name, kind in _section_types().items():
+        if dataclasses.is_dataclass(kind):
+            keys += [f"{name}.{f.name}" for f in dataclasses.fields(kind)]
+        elif name == "moe":
+            keys += [f"moe.{k}" for k in _moe_field_types()] + ["moe.layer_overrides"]
+        else:
+            keys.append(name)
+    return keys
+
+
+def _unknown_key(key: str, where: str, candidates: list[str]) -> ConfigError:
+    """An error naming `key` and the closest candidate (by whole key, else by its last part)."""
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    if not close:
+        leaf = key.rsplit(".", 1)[-1]
+        by_leaf = {c.rsplit(".", 1)[-1]: c for c in candidates}
+        close = [by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=1,
+                                                                cutoff=0.6)]
+    hint = f"; did you mean '{close[0]}'?" if close else "; see megamoe/train/config.py"
+    return ConfigError(f"unknown config key '{key}' {where}{hint}")
+
+
+def _type_name(kind: Any) -> str:
+    return getattr(kind, "__name__", None) or str(kind).replace("typing.", "")
+
+
+def _coerce(value: Any, kind: Any, key: str) -> Any:
+    """`value` as type `kind` (int, float, bool, str, Optional, Union, list, dict), or raise."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is Union:
+        if value is None and type(None) in args:
+            return None
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, option, key)
+            except ConfigError:
+                continue
+    elif origin is list and isinstance(value, (list, tuple)):
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    elif origin is dict or kind is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    elif kind is bool:
+        if isinstance(value, bool):
+            return value
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `3e-4` as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif kind is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{key}={value!r} is not a valid {_type_name(kind)}")
+
+
+def _build_section(name: str, kind: Any, raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"section '{name}' {where} must be a mapping, not {raw!r}")
+    names = {f.name for f in dataclasses.fields(kind)}
+    hints = typing.get_type_hints(kind)
+    for key in raw:
+        if key not in names:
+            raise _unknown_key(f"{name}.{key}", where, known_keys())
+    return kind(**{key: _coerce(value, hints[key], f"{name}.{key}") for key, value in raw.items()})
+
+
+def _moe_fields(raw: dict, prefix: str, where: str) -> dict:
+    types = _moe_field_types()
+    out = {}
+    for key, value in raw.items():
+        if key not in types:
+            raise _unknown_key(f"{prefix}.{key}", where,
+                               [f"{prefix}.{k}" for k in types] + known_keys())
+        out[key] = _coerce(value, types[key], f"{prefix}.{key}")
+    return out
+
+
+def _build_moe(raw: Any, where: str) -> dict:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"section 'moe' {where} must be a mapping, not {raw!r}")
+    overrides = raw.get("layer_overrides") or {}
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"moe.layer_overrides {where} must map layer indices to MoE settings")
+    moe = _moe_fields({k: v for k, v in raw.items() if k != "layer_overrides"}, "moe", where)
+    layers = {}
+    for layer, fields in overrides.items():
+        if not isinstance(layer, int) or not isinstance(fields, dict):
+            raise ConfigError(f"moe.layer_overrides entry {layer!r} {where} must be "
+                              "`<layer index>: {<MoEConfig field>: value}`")
+        layers[layer] = _moe_fields(fields, f"moe.layer_overrides.{layer}", where)
+    moe["layer_overrides"] = layers
+    return moe
+
+
+def config_from_dict(raw: Any, where: str = "in the config") -> TrainConfig:
+    """Build and validate a TrainConfig from nested plain data (a parsed YAML document)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"the config {where} must be a mapping of sections, not {raw!r}")
+    values = {}
+    for name, value in raw.items():
+        if name not in _SECTIONS:
+            raise _unknown_key(name, where, list(_SECTIONS) + known_keys())
+        kind = _section_types()[name]
+        if name == "moe":
+            values[name] = _build_moe(value, where)
+        elif dataclasses.is_dataclass(kind):
+            values[name] = _build_section(name, kind, value if value is not None else {}, where)
+        else:
+            values[name] = _coerce(value, kind, name)
+    config = TrainConfig(**values)
+    validate(config)
+    return config
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a", "b", "c"], value parsed as YAML)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} is not key=value, e.g. training.train_steps=20")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    path = [int(p) if p.isdigit() else p for p in key.split(".")]
+    return path, parsed
+
+
+def _check_override_path(path: list, text: str) -> None:
+    """Reject an override of an unknown key before merging, so the message names the override."""
+    where = f"in override '{text}'"
+    dotted = ".".join(map(str, path))
+    if path[0] == "moe" and len(path) >= 2 and path[1] == "layer_overrides":
+        if len(path) == 4 and path[3] not in _moe_field_types():
+            raise _unknown_key(dotted, where, [f"moe.layer_overrides.{path[2]}.{k}"
+                                               for k in _moe_field_types()])
+        return
+    if dotted not in known_keys():
+        raise _unknown_key(dotted, where, known_keys())
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """A copy of `raw` with each `key=value` override set (dotted keys reach into sections)."""
+    merged = yaml.safe_load(yaml.safe_dump(raw)) if raw else {}
+    for text in overrides:
+        path, value = parse_override(text)
+        _check_override_path(path, text)
+        node = merged
+        for part in path[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[path[-1]] = value
+    return merged
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
+    """Read the YAML config at `path`, apply `overrides`, validate, return the TrainConfig."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass e.g. configs/tiny_cpu.yaml")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {path} is not valid YAML{at}; fix its syntax") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections")
+    # Unknown keys in the file are reported against the file, those of overrides against them.
+    config_from_dict(raw, f"in {path}")
+    return config_from_dict(apply_overrides(raw, list(overrides)), "after the overrides")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(config: TrainConfig) -> None:
+    """Checks that span fields (each field's type is checked on load)."""
+    m, t, o, d = config.model, config.training, config.optimizer, config.data
+    for key, value in [("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
+                       ("model.num_attention_heads", m.num_attention_heads),
+                       ("model.ffn_hidden_size", m.ffn_hidden_size),
+                       ("model.seq_length", m.seq_length),
+                       ("training.train_steps", t.train_steps),
+                       ("training.micro_batch_size", t.micro_batch_size),
+                       ("training.global_batch_size", t.global_batch_size),
+                       ("parallel.tensor", config.parallel.tensor),
+                       ("parallel.pipeline", config.parallel.pipeline),
+                       ("parallel.expert", config.parallel.expert),
+                       ("logging.interval", config.logging.interval)]:
+        _require(value >= 1, f"{key}={value} must be >= 1")
+    _require(m.hidden_size % m.num_attention_heads == 0,
+             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+             f"{m.num_attention_heads}; pick a divisor")
+    _choice("model.normalization", m.normalization, NORMALIZATIONS)
+    _choice("model.position_embedding", m.position_embedding, POSITION_EMBEDDINGS)
+    _choice("training.precision", t.precision, PRECISIONS)
+    _choice("training.device", t.device, DEVICES)
+    _choice("optimizer.decay_style", o.decay_style, DECAY_STYLES)
+    _require(t.global_batch_size % t.micro_batch_size == 0,
+             f"training.global_batch_size={t.global_batch_size} is not a multiple of "
+             f"training.micro_batch_size={t.micro_batch_size}")
+    _require(0 <= o.min_lr <= o.lr, f"optimizer.min_lr={o.min_lr} must be in [0, lr={o.lr}]")
+    _require(o.warmup_steps >= 0, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
+    _require(o.decay_steps is None or o.decay_steps >= 1,
+             f"optimizer.decay_steps={o.decay_steps} must be >= 1 or null")
+    _require(t.grad_clip >= 0, f"training.grad_clip={t.grad_clip} must be >= 0 (0 disables)")
+    _require(t.exit_interval >= 0, f"training.exit_interval={t.exit_interval} must be >= 0")
+    _require(config.checkpoint.interval >= 0,
+             f"checkpoint.interval={config.checkpoint.interval} must be >= 0 (0: at the end)")
+    _require(config.checkpoint.keep_last >= 0,
+             f"checkpoint.keep_last={config.checkpoint.keep_last} must be >= 0 (0: keep all)")
+    _require(bool(d.prefixes) == bool(d.tokenizer_model),
+             "data.prefixes and data.tokenizer_model go together: set both, or neither for the "
+             "default corpus")
+    for key in _MOE_REQUIRED:
+        _require(key in config.moe, f"moe.{key} is missing; every MoE model needs it")
+    config.moe_config()  # MoEConfig validates the MoE settings
+    for layer in config.moe["layer_overrides"]:
+        _require(0 <= layer < m.num_layers,
+                 f"moe.layer_overrides names layer {layer}, outside 0..{m.num_layers - 1}")
+        config.moe_config(layer)
+    for layer in range(m.num_layers):
+        config.moe_config(layer).check_expert_parallel(config.parallel.expert)
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    _require(value in choices, f"{key}={value!r} is not one of {list(choices)}")
+
+
+def dump_config(config: TrainConfig) -> str:
+    """The config as YAML text that `load_config` reads back to an equal config."""
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)

@@ -1,0 +1,204 @@
+"""The pretraining loop: set up Megatron-Core, build data, model and engine, resume, train, save.
+
+One optimizer step:
+1. learning rate from the schedule (a function of the step);
+2. forward and backward of all micro-batches, gradients reduced over data-parallel replicas
+   (`CpuEngine` on CPU, Megatron-Core's DDP and schedules in `GpuEngine` on GPU);
+3. `step_balancing`: routing counts all-reduced over each router's replica group, expert biases
+   updated, per-layer MoE metrics (once per step, after the gradients are final);
+4. clipped optimizer step;
+5. one all-reduce that sums the loss over ranks and tells every rank whether any was signalled;
+6. metrics, then a checkpoint every `checkpoint.interval` steps, at the end, and on a signal
+   (after which the run exits 0 so SLURM can requeue it).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megamoe.balancing import step_balancing
+from megamoe.errors import ConfigError
+from megamoe.megatron.runtime import setup_megatron, teardown_megatron
+from megamoe.parallel.comm import TorchComm
+from megamoe.train.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
+from megamoe.train.config import TrainConfig, dump_config
+from megamoe.train.inputs import data_sources, training_batches
+from megamoe.train.metrics import MetricsLogger
+from megamoe.train.model import build_model, transformer_config
+from megamoe.train.progress import TrainState, latest_checkpoint
+from megamoe.train.schedule import LRSchedule
+from megamoe.train.signals import StopRequest
+from megamoe.train.tokenizer import SentencePieceTokenizer
+
+
+def resolve_device(config: TrainConfig) -> tuple[bool, bool]:
+    """(train on CUDA, use bf16) from `training.device` and `training.precision`."""
+    t = config.training
+    cuda = torch.cuda.is_available()
+    if t.device == "cuda" and not cuda:
+        raise ConfigError("training.device=cuda but no CUDA device is visible; use "
+                          "training.device=auto or cpu")
+    if t.device == "cpu" and cuda:
+        raise ConfigError("training.device=cpu on a machine with CUDA: hide the GPUs "
+                          "(CUDA_VISIBLE_DEVICES=) to train on CPU")
+    bf16 = t.precision == "bf16" or (t.precision == "auto" and cuda)
+    if bf16 and not cuda:
+        raise ConfigError("training.precision=bf16 needs CUDA; use fp32 (or auto) on CPU")
+    return cuda, bf16
+
+
+def microbatches_per_step(config: TrainConfig, dp_size: int) -> int:
+    """Gradient-accumulation steps: global batch / (micro batch x data-parallel size)."""
+    t = config.training
+    per_pass = t.micro_batch_size * dp_size
+    if t.global_batch_size % per_pass:
+        raise ConfigError(
+            f"training.global_batch_size={t.global_batch_size} is not a multiple of "
+            f"micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp_size}; "
+            "change the batch sizes or the number of ranks"
+        )
+    return t.global_batch_size // per_pass
+
+
+def run(config: TrainConfig) -> int:
+    """Train as the config says (on every rank); returns the process exit code."""
+    on_cuda, bf16 = resolve_device(config)
+    p = config.parallel
+    setup_megatron(tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline,
+                   expert_model_parallel_size=p.expert, seed=config.training.seed,
+                   timeout_s=config.training.collective_timeout_s)
+    try:
+        stop = StopRequest()
+        stop.install()
+        run_ = _prepare(config, on_cuda, bf16)
+        try:
+            _train(run_, stop)
+        finally:
+            run_.logger.close()
+        return 0
+    finally:
+        teardown_megatron()
+
+
+@dataclass
+class _Run:
+    """Everything the loop needs, built and (if resuming) restored by `_prepare`."""
+
+    config: TrainConfig
+    model: torch.nn.Module
+    engine: object
+    state: TrainState
+    batches: Iterator
+    num_microbatches: int
+    pgs: ProcessGroupCollection
+    device: torch.device
+    logger: MetricsLogger
+
+
+def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
+    """Data, model and engine; resume from `latest` or start from `init_from`; the logger."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    num_microbatches = microbatches_per_step(config, dp_size)
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    print(f"rank {rank}/{world} on {node}: data-parallel rank {dp_rank}, expert-parallel rank "
+          f"{parallel_state.get_expert_model_parallel_rank()}, output {config.output_dir}",
+          flush=True)
+
+    prefixes, tokenizer_model = data_sources(config)
+    tokenizer = SentencePieceTokenizer(tokenizer_model)
+    tc = transformer_config(config, on_cuda, bf16)
+    model = build_model(config, tc, tokenizer.vocab_size)
+    if on_cuda:
+        from megamoe.train.gpu_engine import GpuEngine
+        engine = GpuEngine(model, tc, config, pgs)
+    else:
+        from megamoe.train.cpu_engine import CpuEngine
+        engine = CpuEngine(model, config, pgs)
+
+    state, origin = TrainState(), "a fresh initialisation"
+    resume_from = latest_checkpoint(config.checkpoint_dir)
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, model, engine, config)
+        origin = (f"{resume_from} (step {state.iteration}, {state.consumed_samples} samples "
+                  "consumed)")
+    elif config.checkpoint.init_from:
+        origin = f"the weights of {load_model_weights(config.checkpoint.init_from, model, config)}"
+        engine.model_weights_changed()
+    if rank == 0:
+        out = Path(config.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(dump_config(config))
+    logger = MetricsLogger(config, active=rank == 0, start_step=state.iteration)
+    p = config.parallel
+    logger.message(
+        f"training {config.training.train_steps} steps on {world} rank(s) "
+        f"({'CUDA, ' + ('bf16' if bf16 else 'fp32') if on_cuda else 'CPU, fp32'}; data "
+        f"{dp_size} x expert {p.expert} x tensor {p.tensor} x pipeline {p.pipeline}), "
+        f"{sum(t.numel() for t in model.parameters()):,} parameters on rank 0, starting from "
+        f"{origin}; output in {config.output_dir}")
+    batches = training_batches(config, prefixes, tokenizer, dp_rank, dp_size,
+                               state.consumed_samples)
+    return _Run(config, model, engine, state, batches, num_microbatches, pgs,
+                torch.device("cuda" if on_cuda else "cpu"), logger)
+
+
+def _train(run: _Run, stop: StopRequest) -> None:
+    """Optimizer steps until train_steps, an exit interval or a stop signal (see the module
+    docstring for the order of one step)."""
+    config, engine, logger = run.config, run.engine, run.logger
+    schedule = LRSchedule.from_config(config.optimizer, config.training.train_steps)
+    replica_comm = TorchComm(run.pgs.tp_dp_cp)
+    tokens_per_step = config.training.global_batch_size * config.model.seq_length
+    state = run.state
+    while state.iteration < config.training.train_steps:
+        start = time.perf_counter()
+        step = state.iteration + 1
+        lr = schedule(step)
+        engine.set_lr(lr)
+        totals = engine.forward_backward(run.batches, run.num_microbatches)
+        moe_metrics = step_balancing(engine.model_chunks, replica_comm)
+        grad_norm = engine.step()
+        state = TrainState(step, state.consumed_samples + config.training.global_batch_size)
+        # One collective: the loss over all ranks, and whether any rank was signalled.
+        reduced = torch.tensor([*totals.tolist(), float(stop.requested)], device=run.device)
+        dist.all_reduce(reduced)
+        loss_sum, tokens, stops = reduced.tolist()
+        if config.parallel.pipeline > 1:
+            moe_metrics = _gather_pipeline_metrics(moe_metrics, run.pgs.pp)
+        elapsed = time.perf_counter() - start
+        logger.log(step, {"loss": loss_sum / max(tokens, 1.0), "lr": lr, "grad_norm": grad_norm,
+                          "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
+                          "consumed_samples": state.consumed_samples, **moe_metrics})
+        exiting = stops > 0 or _every(step, config.training.exit_interval)
+        if exiting or step == config.training.train_steps or \
+                _every(step, config.checkpoint.interval):
+            saved = save_checkpoint(config.checkpoint_dir, state, run.model, engine, config)
+            logger.message(f"saved checkpoint {saved}")
+        if exiting and step < config.training.train_steps:
+            reason = "on a signal" if stops > 0 else "at training.exit_interval"
+            logger.message(f"stopping after step {step} {reason}; run the same command again "
+                           "to resume")
+            return
+
+
+def _every(step: int, interval: int) -> bool:
+    return interval > 0 and step % interval == 0
+
+
+def _gather_pipeline_metrics(metrics: dict, pp_group) -> dict:
+    """Every pipeline stage's MoE metrics (each stage reports its own layers)."""
+    gathered = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(gathered, metrics, group=pp_group)
+    return {key: value for stage in gathered for key, value in stage.items()}

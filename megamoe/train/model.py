@@ -1,0 +1,116 @@
+"""The GPT model of a training run: a Megatron-Core GPTModel with megamoe layers in the MLP slots.
+
+`transformer_config` maps the run's `model`, `moe`, `parallel` and `training` sections onto
+Megatron-Core's TransformerConfig; the MoE settings reach every megamoe layer complete through
+the decoder block spec (`gpt_decoder_block_spec`), so MoEConfig's defaults apply, not Megatron's.
+Megatron's own expert-bias update stays off (`moe_router_enable_expert_bias=False`): megamoe's
+`step_balancing` updates the biases once per optimizer step.
+"""
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+from megamoe.errors import ConfigError
+from megamoe.megatron.specs import gpt_decoder_block_spec, moe_layer_pattern
+from megamoe.train.config import TrainConfig
+
+
+def padded_vocab_size(vocab_size: int, config: TrainConfig) -> int:
+    """The tokenizer's vocabulary rounded up so the embedding splits evenly over tensor ranks."""
+    multiple = config.model.make_vocab_size_divisible_by * config.parallel.tensor
+    return -(-vocab_size // multiple) * multiple
+
+
+def transformer_config(config: TrainConfig, on_cuda: bool, bf16: bool) -> TransformerConfig:
+    """Megatron-Core's TransformerConfig of the run (fp32 on CPU, bf16 or fp32 on CUDA)."""
+    m, p = config.model, config.parallel
+    if not on_cuda and m.position_embedding == "rope":
+        raise ConfigError(
+            "model.position_embedding=rope needs CUDA (Megatron-Core moves the rotary embedding "
+            "to the GPU); use model.position_embedding=learned_absolute on CPU"
+        )
+    moe = config.moe_config()
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        ffn_hidden_size=m.ffn_hidden_size,
+        normalization=m.normalization,
+        gated_linear_unit=m.swiglu,
+        activation_func=F.silu if m.swiglu else F.gelu,
+        qk_layernorm=m.qk_layernorm,
+        # Megatron's MLP with a linear bias trips an in-place-on-view autograd error on CPU.
+        add_bias_linear=False,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        tensor_model_parallel_size=p.tensor,
+        pipeline_model_parallel_size=p.pipeline,
+        expert_model_parallel_size=p.expert,
+        num_layers_in_first_pipeline_stage=p.first_stage_layers,
+        num_layers_in_last_pipeline_stage=p.last_stage_layers,
+        sequence_parallel=p.tensor > 1,
+        num_moe_experts=moe.num_experts,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_topk=moe.topk,
+        moe_layer_freq=_moe_layer_freq(config),
+        moe_router_enable_expert_bias=False,
+        use_cpu_initialization=not on_cuda,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+    )
+
+
+def _moe_layer_freq(config: TrainConfig) -> int | list[int]:
+    """`model.moe_layer_freq`, with `model.first_k_dense` folded in as Megatron-LM expresses
+    dense-first models (a 0/1 list), which also gives their checkpoints Megatron's per-layer
+    key layout."""
+    m = config.model
+    if m.first_k_dense == 0:
+        return m.moe_layer_freq
+    pattern = moe_layer_pattern(SimpleNamespace(moe_layer_freq=m.moe_layer_freq,
+                                                num_layers=m.num_layers), m.first_k_dense)
+    return [int(is_moe) for is_moe in pattern]
+
+
+def sharded_state_metadata(config: TrainConfig) -> Optional[dict]:
+    """Metadata for `GPTModel.sharded_state_dict`: per-layer keys when MoE layers differ in
+    shape (`moe.layer_overrides`), since a stacked layer axis needs equal shapes."""
+    return {"non_homogeneous_layers": True} if config.moe["layer_overrides"] else None
+
+
+def _moe_settings(config: TrainConfig, layer: int | None = None) -> dict:
+    """Every MoEConfig field of a layer but `hidden_size` (the layer takes it from Megatron)."""
+    fields = dataclasses.asdict(config.moe_config(layer))
+    fields.pop("hidden_size")
+    return fields
+
+
+def build_model(config: TrainConfig, tc: TransformerConfig, vocab_size: int) -> GPTModel:
+    """This pipeline stage's GPTModel: dense and megamoe layers as `model.first_k_dense` and
+    `model.moe_layer_freq` say, per-layer MoE overrides from `moe.layer_overrides`."""
+    overrides = {layer: _moe_settings(config, layer) for layer in config.moe["layer_overrides"]}
+    spec = gpt_decoder_block_spec(tc, layer_overrides=overrides,
+                                  pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+                                  **_moe_settings(config))
+    return GPTModel(
+        config=tc,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(vocab_size, config),
+        max_sequence_length=config.model.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=config.model.share_embeddings,
+        position_embedding_type=config.model.position_embedding,
+        rotary_base=config.model.rotary_base,
+    )

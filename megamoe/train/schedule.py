@@ -1,0 +1,43 @@
+"""The learning-rate schedule: linear warm-up, then cosine, linear or constant decay to `min_lr`.
+
+The rate is a pure function of the optimizer step, so a resumed run continues the schedule
+exactly from its iteration count and a checkpoint needs no scheduler state beyond it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megamoe.train.config import OptimizerConfig
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """Warm-up over `warmup_steps` from lr/warmup_steps to `lr`, then `style` decay over
+    `decay_steps` to `min_lr` (cosine as in SGDR, Loshchilov & Hutter, arXiv 1608.03983), then
+    `min_lr` to the end."""
+
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    decay_steps: int
+    style: str
+
+    @classmethod
+    def from_config(cls, optimizer: OptimizerConfig, train_steps: int) -> "LRSchedule":
+        decay = optimizer.decay_steps or max(1, train_steps - optimizer.warmup_steps)
+        return cls(optimizer.lr, optimizer.min_lr, optimizer.warmup_steps, decay,
+                   optimizer.decay_style)
+
+    def __call__(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (1 for the first step)."""
+        if step <= self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        if self.style == "constant":
+            return self.lr
+        progress = min(1.0, (step - self.warmup_steps) / self.decay_steps)
+        if self.style == "linear":
+            fraction = 1.0 - progress
+        else:
+            fraction = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr + (self.lr - self.min_lr) * fraction

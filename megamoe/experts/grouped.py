@@ -25,32 +25,38 @@ class _LoopExpertMLP(torch.autograd.Function):
     """One dense MLP per expert over its contiguous block of rows, with a hand-written backward
     that writes every expert's gradients straight into the stacked gradient tensors (plain
     autograd over the loop would zero-fill and concatenate full-size buffers per expert).
-    Saves the input and the pre-activation; the activation is recomputed in the backward."""
+
+    Per-expert buffers are allocated one expert at a time: on CPU, one large fresh buffer would
+    page-fault inside the GEMMs on every step, where per-expert ones reuse heap memory.
+    Saves each expert's pre-activation h and activation a (what the backward needs)."""
 
     @staticmethod
     def forward(ctx, x_ND, fc1_LFD, fc2_LDF, tokens_per_expert, activation):
-        h_NF = x_ND.new_empty((x_ND.shape[0], fc1_LFD.shape[1]))
         y_ND = x_ND.new_empty((x_ND.shape[0], fc2_LDF.shape[1]))
-        blocks = zip(x_ND.split(tokens_per_expert), h_NF.split(tokens_per_expert),
-                     y_ND.split(tokens_per_expert), fc1_LFD.unbind(0), fc2_LDF.unbind(0))
-        for x_MD, h_MF, y_MD, fc1_FD, fc2_DF in blocks:
-            torch.mm(x_MD, fc1_FD.t(), out=h_MF)
-            torch.mm(activation.forward(h_MF), fc2_DF.t(), out=y_MD)
-        ctx.save_for_backward(x_ND, h_NF, fc1_LFD, fc2_LDF)
+        saved = []
+        blocks = zip(x_ND.split(tokens_per_expert), y_ND.split(tokens_per_expert),
+                     fc1_LFD.unbind(0), fc2_LDF.unbind(0))
+        for x_MD, y_MD, fc1_FD, fc2_DF in blocks:
+            h_MF = x_MD @ fc1_FD.t()
+            a_MF = activation.forward(h_MF)
+            torch.mm(a_MF, fc2_DF.t(), out=y_MD)
+            saved += [h_MF, a_MF]
+        ctx.save_for_backward(x_ND, fc1_LFD, fc2_LDF, *saved)
         ctx.tokens_per_expert, ctx.activation = tokens_per_expert, activation
         return y_ND
 
     @staticmethod
     def backward(ctx, grad_y_ND):
-        x_ND, h_NF, fc1_LFD, fc2_LDF = ctx.saved_tensors
-        split, act = ctx.tokens_per_expert, ctx.activation
+        x_ND, fc1_LFD, fc2_LDF, *saved = ctx.saved_tensors
+        split = ctx.tokens_per_expert
         grad_x_ND, grad_fc1, grad_fc2 = (torch.empty_like(t) for t in (x_ND, fc1_LFD, fc2_LDF))
-        blocks = zip(x_ND.split(split), h_NF.split(split), grad_y_ND.contiguous().split(split),
-                     grad_x_ND.split(split), fc1_LFD.unbind(0), fc2_LDF.unbind(0),
-                     grad_fc1.unbind(0), grad_fc2.unbind(0))
-        for x_MD, h_MF, gy_MD, gx_MD, fc1_FD, fc2_DF, gfc1_FD, gfc2_DF in blocks:
-            torch.mm(gy_MD.t(), act.forward(h_MF), out=gfc2_DF)
-            grad_h_MF = act.backward(h_MF, gy_MD @ fc2_DF)
+        blocks = zip(x_ND.split(split), saved[0::2], saved[1::2],
+                     grad_y_ND.contiguous().split(split), grad_x_ND.split(split),
+                     fc1_LFD.unbind(0), fc2_LDF.unbind(0), grad_fc1.unbind(0),
+                     grad_fc2.unbind(0))
+        for x_MD, h_MF, a_MF, gy_MD, gx_MD, fc1_FD, fc2_DF, gfc1_FD, gfc2_DF in blocks:
+            torch.mm(gy_MD.t(), a_MF, out=gfc2_DF)
+            grad_h_MF = ctx.activation.backward(h_MF, gy_MD @ fc2_DF)
             torch.mm(grad_h_MF.t(), x_MD, out=gfc1_FD)
             torch.mm(grad_h_MF, fc1_FD, out=gx_MD)
         return grad_x_ND, grad_fc1, grad_fc2, None, None

@@ -41,6 +41,13 @@ class MegatronMoELayer(MoELayer):
         if layer_number is not None:
             self.set_layer_number(layer_number)
         self.register_load_state_dict_pre_hook(drop_extra_state_placeholders)
+        if config.sequence_parallel:
+            # Each tensor-parallel rank routes its own tokens through replicated router and
+            # shared-expert weights: Megatron's finalize_model_grads sums the gradients of
+            # parameters marked this way over the tensor-parallel group.
+            shared = self.shared_experts.parameters() if self.shared_experts is not None else ()
+            for param in (*self.router.parameters(), *shared):
+                param.sequence_parallel = True
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> dict:

@@ -1,13 +1,13 @@
 """SLURM launch mechanics on a real two-node Slurm cluster running on this machine.
 
-The cluster (launch/local_cluster.py) is started once per module and skipped, with the reason,
+The cluster (launch/local_cluster.py, the `cluster` fixture of conftest.py) is started once per
+test session and skipped, with the reason,
 where Slurm cannot be installed. A throwaway batch script proves what launch/pretrain_moe.sh relies
 on: `srun` starts one task per node, and torchrun agents on both nodes meet in a c10d rendezvous
 hosted on the first node of the allocation, then their workers all-reduce over gloo.
 """
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import socket
@@ -17,21 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-PRETRAIN_SCRIPT = REPO / "launch" / "pretrain_moe.sh"
-
-
-def _load_local_cluster():
-    """Import launch/local_cluster.py (launch/ is a folder of scripts, not a package)."""
-    path = REPO / "launch" / "local_cluster.py"
-    spec = importlib.util.spec_from_file_location("local_cluster", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-local_cluster = _load_local_cluster()
+from slurm_helpers import PRETRAIN_SCRIPT, local_cluster
 
 # One torchrun per node, rendezvous on the allocation's first node, exactly as pretrain_moe.sh does.
 RENDEZVOUS_JOB = """\
@@ -57,18 +43,6 @@ print(f"rank {dist.get_rank()} of {dist.get_world_size()} on {os.environ['SLURMD
       f" sum {value.item()}", flush=True)
 dist.destroy_process_group()
 """
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """A running two-node local cluster; skipped where Slurm cannot be installed."""
-    try:
-        local_cluster.ensure_installed()
-    except local_cluster.ClusterError as err:
-        pytest.skip(f"no local Slurm cluster: {err}")
-    running = local_cluster.start_cluster(tmp_path_factory.mktemp("slurm"), timeout=60)
-    yield running
-    running.teardown()
 
 
 def _free_port() -> int:

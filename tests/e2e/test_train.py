@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-# The module-scoped two-node Slurm cluster of the launch tests (skips where Slurm is unavailable).
-from test_slurm_launch import PRETRAIN_SCRIPT, cluster  # noqa: F401
+from slurm_helpers import PRETRAIN_SCRIPT
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny_cpu.yaml"

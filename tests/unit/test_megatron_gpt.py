@@ -109,3 +109,15 @@ def test_megatron_finalize_model_grads_updates_megamoe_bias(megatron):
     for router, bias in zip(routers, expected):
         torch.testing.assert_close(router.expert_bias, bias)
         assert float(router.local_tokens_per_expert.sum()) == 0
+
+
+def test_sequence_parallel_marks_replicated_weights(megatron):
+    """With sequence parallelism, Megatron sums the router's and shared expert's gradients over
+    tensor-parallel ranks only for parameters marked `sequence_parallel`; experts are not."""
+    config = moe_config(moe_layer_freq=1, num_layers=1, sequence_parallel=True,
+                        tensor_model_parallel_size=2,
+                        moe_shared_expert_intermediate_size=16)
+    layer = MegatronMoELayer(config)
+    marked = {name for name, p in layer.named_parameters() if getattr(p, "sequence_parallel", False)}
+    assert marked == {"router.weight", "shared_experts.linear_fc1.weight",
+                      "shared_experts.linear_fc2.weight"}

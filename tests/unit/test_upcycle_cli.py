@@ -13,6 +13,7 @@ import torch
 import upcycle_ckpts as ck
 from megamoe.errors import run_cli
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
+from megamoe.upcycle.torch_files import load_torch_file
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "upcycle_ckpt.py"
@@ -76,7 +77,7 @@ def test_cli_upcycles_verifies_and_prints_the_logit_difference(ckpts, tmp_path, 
     recipe = json.loads((save / "upcycle_recipe.json").read_text())
     assert recipe["recipe"]["granularity"] == 2 and recipe["recipe"]["shared_expert"] is True
     assert recipe["source"]["path"] == str(ckpts["dist"].resolve())
-    common = torch.load(save / "release" / "common.pt", weights_only=False)
+    common = load_torch_file(save / "release" / "common.pt")
     assert common["iteration"] == 0 and common["upcycle_recipe"] == recipe
     assert common["args"].num_experts == 4 and common["args"].moe_ffn_hidden_size == 64
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "release"

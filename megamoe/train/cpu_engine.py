@@ -78,14 +78,6 @@ class CpuEngine:
         self.grad_clip = config.training.grad_clip
         self.mask = causal_attention_mask(config.model.seq_length)
 
-    @property
-    def model_chunks(self) -> list[torch.nn.Module]:
-        return [self.model]
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
     def forward_backward(self, batches: Iterator[Batch], num_microbatches: int) -> torch.Tensor:
         """Forward and backward of `num_microbatches` micro-batches, then the data-parallel
         gradient reduction. Returns [sum of token losses, tokens] of this rank (detached)."""

@@ -65,14 +65,6 @@ class GpuEngine:
         tc.finalize_model_grads_func = finalize_model_grads
         self.forward_backward_func = get_forward_backward_func()
 
-    @property
-    def model_chunks(self) -> list[torch.nn.Module]:
-        return [self.model]
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
     def _forward_step(self, data_iterator: Iterator[Batch], model: torch.nn.Module):
         batch = next(data_iterator)
         cuda = {name: t.cuda(non_blocking=True) for name, t in batch._asdict().items()}

@@ -35,7 +35,7 @@ from megamoe.train.inputs import data_sources, training_batches
 from megamoe.train.metrics import MetricsLogger
 from megamoe.train.model import build_model, transformer_config
 from megamoe.train.progress import TrainState, latest_checkpoint
-from megamoe.train.schedule import LRSchedule
+from megamoe.train.schedule import LRSchedule, set_learning_rate
 from megamoe.train.signals import StopRequest
 from megamoe.train.tokenizer import SentencePieceTokenizer
 
@@ -166,9 +166,9 @@ def _train(run: _Run, stop: StopRequest) -> None:
         start = time.perf_counter()
         step = state.iteration + 1
         lr = schedule(step)
-        engine.set_lr(lr)
+        set_learning_rate(engine.optimizer, lr)
         totals = engine.forward_backward(run.batches, run.num_microbatches)
-        moe_metrics = step_balancing(engine.model_chunks, replica_comm)
+        moe_metrics = step_balancing(run.model, replica_comm)
         grad_norm = engine.step()
         state = TrainState(step, state.consumed_samples + config.training.global_batch_size)
         # One collective: the loss over all ranks, and whether any rank was signalled.

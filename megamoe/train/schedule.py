@@ -41,3 +41,9 @@ class LRSchedule:
         else:
             fraction = 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.min_lr + (self.lr - self.min_lr) * fraction
+
+
+def set_learning_rate(optimizer, lr: float) -> None:
+    """Set `lr` on every parameter group (torch and Megatron-Core optimizers alike)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr

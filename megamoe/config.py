@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -17,7 +17,9 @@ from megamoe.errors import ConfigError
 
 ROUTER_TYPES = ("topk", "top_p")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
-BALANCING = ("bias", "aux_loss", "seq_aux_loss", "none")
+BIAS = "bias"
+BALANCE_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+BALANCING = (BIAS, *BALANCE_LOSSES, "none")
 DROP_POLICIES = ("probs", "position")
 ACTIVATIONS = ("swiglu", "gelu", "squared_relu")
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -58,9 +60,13 @@ class MoEConfig:
     groups_per_token: Optional[int] = None
     """Group-limited routing: how many groups a token may pick its experts from."""
 
-    balancing: str = "aux_loss"
-    """`bias` (loss-free balancing, arXiv 2408.15664), `aux_loss` (Switch, batch-level),
-    `seq_aux_loss` (per sequence, DeepSeek-V2) or `none`. The z-loss combines with any."""
+    balancing: Union[str, list[str]] = "aux_loss"
+    """One of, or a list combining: `bias` (loss-free balancing, arXiv 2408.15664),
+    `aux_loss` (Switch loss, arXiv 2101.03961, counts over the micro-batch's whole sequences),
+    `global_aux_loss` (Switch loss with counts over every replica of the router, averaged over
+    the step's micro-batches, arXiv 2501.11873), `seq_aux_loss` (per sequence, DeepSeek-V2,
+    arXiv 2405.04434), or `none`. DeepSeek-V3's recipe is ["bias", "seq_aux_loss"] with
+    aux_loss_coeff 1e-4. The z-loss combines with any."""
 
     bias_update_rate: float = 1e-3
     """Loss-free balancing: step u of `bias += u * sign(mean(c) - c)`."""
@@ -68,8 +74,10 @@ class MoEConfig:
     bias_mean_centering: bool = False
     """Loss-free balancing: subtract the mean of each update so mean(bias) stays 0."""
 
-    aux_loss_coeff: float = 1e-2
-    """Weight of the aux / seq-aux load-balancing loss."""
+    aux_loss_coeff: Union[float, list[float]] = 1e-2
+    """Weight of the load-balancing losses in `balancing`: one value for all of them, or a list
+    with one value per loss, in the order of `balancing` (`bias` and `none` take none), as
+    Megatron's `moe_aux_loss_coeff` list."""
 
     z_loss_coeff: float = 0.0
     """Weight of the router z-loss (ST-MoE, arXiv 2202.08906); 0 disables it."""
@@ -104,6 +112,10 @@ class MoEConfig:
     ranks of its experts) or `allgather` (every rank receives all tokens; routing-independent
     volume, for small expert-parallel groups or many experts per token)."""
 
+    input_jitter_eps: Optional[float] = None
+    """Training only: multiply the router's input by noise uniform in [1-eps, 1+eps] (Switch
+    Transformer, arXiv 2101.03961; Megatron's `moe_input_jitter_eps`). None disables it."""
+
     init_method_std: float = 0.02
     """Std of the normal init used when no Megatron init method is given."""
 
@@ -111,7 +123,7 @@ class MoEConfig:
         _check_positive(self, "hidden_size", "num_experts", "ffn_hidden_size", "topk")
         _check_choice(self, "router_type", ROUTER_TYPES)
         _check_choice(self, "score_function", SCORE_FUNCTIONS)
-        _check_choice(self, "balancing", BALANCING)
+        self._check_balancing()
         _check_choice(self, "drop_policy", DROP_POLICIES)
         _check_choice(self, "activation", ACTIVATIONS)
         _check_choice(self, "router_dtype", tuple(ROUTER_DTYPES))
@@ -135,7 +147,11 @@ class MoEConfig:
                 "the topk router only; unset num_groups"
             )
         self._check_groups()
-        for name in ("aux_loss_coeff", "z_loss_coeff", "entropy_loss_coeff", "bias_update_rate"):
+        if self.input_jitter_eps is not None and not 0.0 < self.input_jitter_eps < 1.0:
+            raise ConfigError(
+                f"input_jitter_eps={self.input_jitter_eps} is outside (0, 1); use e.g. 1e-2 or None"
+            )
+        for name in ("z_loss_coeff", "entropy_loss_coeff", "bias_update_rate"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} is negative; use a value >= 0")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
@@ -155,6 +171,48 @@ class MoEConfig:
             raise ConfigError(
                 "shared_expert_gate=True without a shared expert; set shared_expert_ffn_size"
             )
+
+    def _check_balancing(self) -> None:
+        kinds = self.balancing_kinds
+        for kind in kinds:
+            if kind not in BALANCING:
+                raise ConfigError(f"balancing={kind!r} is not one of {list(BALANCING)}")
+        if len(set(kinds)) != len(kinds) or ("none" in kinds and len(kinds) > 1) or not kinds:
+            raise ConfigError(
+                f"balancing={self.balancing!r}: list each method once, and 'none' only alone"
+            )
+        losses = [k for k in kinds if k in BALANCE_LOSSES]
+        coeffs = self.aux_loss_coeff
+        if isinstance(coeffs, (list, tuple)):
+            if len(coeffs) != len(losses):
+                raise ConfigError(
+                    f"aux_loss_coeff={list(coeffs)} has {len(coeffs)} values for the "
+                    f"{len(losses)} losses {losses} in balancing; give one value per loss"
+                )
+        else:
+            coeffs = [coeffs]
+        for value in coeffs:
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"aux_loss_coeff={value!r} is negative; use a value >= 0")
+
+    @property
+    def balancing_kinds(self) -> tuple[str, ...]:
+        """`balancing` as a tuple of method names."""
+        kinds = self.balancing
+        return (kinds,) if isinstance(kinds, str) else tuple(kinds)
+
+    @property
+    def uses_expert_bias(self) -> bool:
+        """True when the router keeps a loss-free balancing bias."""
+        return BIAS in self.balancing_kinds
+
+    @property
+    def balance_loss_coeffs(self) -> dict[str, float]:
+        """{load-balancing loss name: weight}, only losses with a weight > 0."""
+        losses = [k for k in self.balancing_kinds if k in BALANCE_LOSSES]
+        coeffs = self.aux_loss_coeff
+        coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(losses)
+        return {k: float(c) for k, c in zip(losses, coeffs) if c > 0}
 
     def _check_groups(self) -> None:
         if (self.num_groups is None) != (self.groups_per_token is None):
@@ -214,14 +272,20 @@ class MoEConfig:
     def from_transformer_config(cls, tc: Any, **overrides: Any) -> "MoEConfig":
         """Build from a Megatron-Core TransformerConfig's `moe_*` fields, then apply `overrides`.
 
-        Megatron's `moe_router_enable_expert_bias=True` maps to balancing='bias'; otherwise
-        `moe_router_load_balancing_type` is used ('global_aux_loss' maps to 'aux_loss', whose
-        counts megamoe always takes over the whole replica group).
+        Every `moe_*` field of the installed TransformerConfig is honoured or, when set to a
+        value megamoe cannot honour, refused with a ConfigError naming the field and the fix
+        (`megamoe.megatron.fields`). `moe_router_enable_expert_bias` adds `bias` to the
+        load-balancing losses of `moe_router_load_balancing_type` (one weight each from
+        `moe_aux_loss_coeff`).
         """
+        from megamoe.megatron.fields import check_megatron_fields
+
         if tc.num_moe_experts is None:
             raise ConfigError(
                 "TransformerConfig.num_moe_experts is None; set --num-experts to build an MoE layer"
             )
+        check_megatron_fields(tc)
+        balancing, coeffs = _balancing_from_megatron(tc)
         values = dict(
             hidden_size=tc.hidden_size,
             num_experts=tc.num_moe_experts,
@@ -232,9 +296,9 @@ class MoEConfig:
             topk_scaling_factor=tc.moe_router_topk_scaling_factor,
             num_groups=tc.moe_router_num_groups,
             groups_per_token=tc.moe_router_group_topk,
-            balancing=_balancing_from_megatron(tc),
+            balancing=balancing,
             bias_update_rate=tc.moe_router_bias_update_rate,
-            aux_loss_coeff=_first(tc.moe_aux_loss_coeff),
+            aux_loss_coeff=coeffs,
             z_loss_coeff=tc.moe_z_loss_coeff or 0.0,
             capacity_factor=tc.moe_expert_capacity_factor,
             drop_policy=tc.moe_token_drop_policy,
@@ -242,8 +306,8 @@ class MoEConfig:
             shared_expert_ffn_size=tc.moe_shared_expert_intermediate_size,
             shared_expert_gate=tc.moe_shared_expert_gate,
             router_dtype=tc.moe_router_dtype or "fp32",
-            dispatcher=tc.moe_token_dispatcher_type if tc.moe_token_dispatcher_type in
-            DISPATCHERS else "alltoall",
+            dispatcher=tc.moe_token_dispatcher_type,
+            input_jitter_eps=tc.moe_input_jitter_eps,
             init_method_std=tc.init_method_std,
         )
         values.update(overrides)
@@ -253,24 +317,33 @@ class MoEConfig:
         return cls(**values)
 
 
-def _first(value: Any) -> float:
-    """Megatron allows a per-loss list of aux coefficients; megamoe has one aux loss."""
-    return float(value[0] if isinstance(value, (list, tuple)) else value)
-
-
-def _balancing_from_megatron(tc: Any) -> str:
-    if tc.moe_router_enable_expert_bias:
-        return "bias"
-    kind = tc.moe_router_load_balancing_type
-    kind = kind[0] if isinstance(kind, (list, tuple)) else kind
-    mapping = {"aux_loss": "aux_loss", "global_aux_loss": "aux_loss",
-               "seq_aux_loss": "seq_aux_loss", "none": "none"}
-    if kind not in mapping:
+def _balancing_from_megatron(tc: Any) -> tuple[list[str], list[float]]:
+    """(balancing, aux_loss_coeff) from Megatron's load-balancing type(s), coefficient(s) and
+    expert-bias flag. A loss whose coefficient is 0 is off, as in Megatron's router."""
+    kinds = tc.moe_router_load_balancing_type
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    coeffs = tc.moe_aux_loss_coeff
+    coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)
+    if len(coeffs) != len(kinds):
         raise ConfigError(
-            f"moe_router_load_balancing_type={kind!r} is not supported by megamoe; use one of "
-            f"{sorted(mapping)} or moe_router_enable_expert_bias=True"
+            f"moe_aux_loss_coeff={coeffs} has {len(coeffs)} values for "
+            f"moe_router_load_balancing_type={kinds}; give one coefficient per type"
         )
-    return mapping[kind]
+    balancing, weights = [], []
+    for kind, coeff in zip(kinds, coeffs):
+        if kind == "none":
+            continue
+        if kind not in BALANCE_LOSSES:
+            raise ConfigError(
+                f"moe_router_load_balancing_type={kind!r} is not supported by megamoe; use "
+                f"{list(BALANCE_LOSSES) + ['none']} and/or --moe-router-enable-expert-bias"
+            )
+        if coeff > 0:
+            balancing.append(kind)
+            weights.append(float(coeff))
+    if tc.moe_router_enable_expert_bias:
+        balancing.insert(0, BIAS)
+    return balancing or ["none"], weights
 
 
 def _activation_from_megatron(tc: Any) -> str:

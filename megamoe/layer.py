@@ -10,7 +10,8 @@ import torch
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from torch import nn
 
-from megamoe.balancing.losses import entropy_loss, sequence_aux_loss, switch_aux_loss, z_loss
+from megamoe.balancing.losses import (entropy_loss, real_tokens, sequence_aux_loss,
+                                     sequence_counts, switch_aux_loss, z_loss)
 from megamoe.config import MoEConfig
 from megamoe.dispatch import DISPATCHERS
 from megamoe.experts import GroupedExperts, SharedExpert
@@ -25,6 +26,11 @@ class MoELayer(nn.Module):
     ep_comm: the expert-parallel group; this rank holds experts [rank*L, (rank+1)*L), L = E/size.
     replica_comm: every rank holding a replica of this router (data x context x tensor x expert
         parallel); the global aux loss counts assignments over it.
+    token_comm: the ranks that split one micro-batch's tokens and sum the router's gradients
+        (the tensor-parallel group under sequence parallelism); the balance losses are taken
+        over all of their tokens (`megamoe.balancing.losses`).
+    bias_width: width of the expert-bias buffers Megatron's finalize_model_grads stacks (the
+        widest router of the model; see `megamoe.routing.Router`).
     Balance losses are attached to the output's gradient (Megatron-Core's MoEAuxLossAutoScaler,
     whose scale Megatron's pipeline schedules set), so they train the router without changing the
     reported LM loss; their values are recorded for the step's metrics.
@@ -32,13 +38,15 @@ class MoELayer(nn.Module):
 
     def __init__(self, cfg: MoEConfig, ep_comm: Optional[Comm] = None,
                  replica_comm: Optional[Comm] = None, init_method: Optional[Callable] = None,
-                 output_init_method: Optional[Callable] = None):
+                 output_init_method: Optional[Callable] = None, token_comm: Optional[Comm] = None,
+                 bias_width: Optional[int] = None):
         super().__init__()
         self.cfg = cfg
         self.ep_comm = ep_comm or SingleComm()
         self.replica_comm = replica_comm or SingleComm()
+        self.token_comm = token_comm or SingleComm()
         cfg.check_expert_parallel(self.ep_comm.size)
-        self.router = ROUTERS[cfg.router_type](cfg, init_method)
+        self.router = ROUTERS[cfg.router_type](cfg, init_method, bias_width)
         self.dispatcher = DISPATCHERS[cfg.dispatcher](cfg.num_experts, self.ep_comm)
         # Experts on different expert-parallel ranks must start different: seed their init with
         # a draw from the default generator (identical on every rank) plus the rank.
@@ -63,11 +71,17 @@ class MoELayer(nn.Module):
         S, B, D = hidden_SBD.shape
         x_TD = hidden_SBD.reshape(S * B, D)
         padding_T = None if padding_mask is None else padding_mask.t().reshape(-1)
+        counted = self.router.counts_this_forward()
+        if counted:
+            self.start_counting()
         routing = self.router(x_TD, padding_T)
-        losses = self.balance_losses(routing, S, B) if self.training else {}
+        losses = self.balance_losses(routing, S, B, counted) if self.training else {}
         if self.cfg.capacity_factor is not None:
             routing = apply_capacity(routing, self.cfg.capacity_factor, self.cfg.drop_policy)
-        self.router.record(routing, losses)
+        if counted:
+            # Metrics hold each loss over the token group (this rank's share times its size).
+            self.router.record(routing, {k: v * self.token_comm.size for k, v in losses.items()})
+            self.report(routing, losses)
         # On CUDA the shared expert runs on a side stream, overlapping the dispatch.
         shared_TD = (start_on_side_stream(self.shared_experts, x_TD)
                      if self.shared_experts is not None else None)
@@ -83,24 +97,57 @@ class MoELayer(nn.Module):
         rows_ND, tokens_per_expert, state = self.dispatcher.dispatch(x_TD, routing)
         return self.dispatcher.combine(self.experts(rows_ND, tokens_per_expert), state)
 
-    def balance_losses(self, routing: Routing, seq_len: int, batch: int) -> dict[str, torch.Tensor]:
-        """Unweighted balance losses of this routing (before capacity drops)."""
+    def start_counting(self) -> None:
+        """Before a counted forward: if Megatron's finalize_model_grads consumed the routing
+        counts since the last one, a new step has begun and the tracker starts afresh."""
+        if self.router.counts_consumed_by_megatron:
+            self.router.load.reset()
+
+    def report(self, routing: Routing, losses: dict[str, torch.Tensor]) -> None:
+        """After a counted forward: hand its statistics to a host training loop's logging
+        (nothing here; Megatron's tracker in `MegatronMoELayer`)."""
+
+    def balance_losses(self, routing: Routing, seq_len: int, batch: int,
+                       counted: bool = True) -> dict[str, torch.Tensor]:
+        """Unweighted balance losses of this routing (before capacity drops), each this rank's
+        share of the loss over the token group (`megamoe.balancing.losses`). `counted`: this
+        forward adds to the step's running global counts (False in recomputation)."""
         cfg, losses = self.cfg, {}
-        if cfg.balancing == "aux_loss":
-            counts_E = routing.selected_TE.sum(0, dtype=torch.float32)
-            self.replica_comm.all_reduce(counts_E, op="sum")
-            losses["aux_loss"] = switch_aux_loss(routing.probs_TE, routing.selected_TE, counts_E)
-        elif cfg.balancing == "seq_aux_loss":
-            losses["seq_aux_loss"] = sequence_aux_loss(routing.probs_TE, routing.selected_TE,
-                                                       seq_len, batch)
-        if cfg.z_loss_coeff > 0:
-            losses["z_loss"] = z_loss(routing.logits_TE, routing.selected_TE)
-        if cfg.router_type == "top_p" and cfg.entropy_loss_coeff > 0:
-            losses["entropy_loss"] = entropy_loss(routing.probs_TE, routing.selected_TE)
+        weights = cfg.balance_loss_coeffs
+        wants_z = cfg.z_loss_coeff > 0
+        wants_entropy = cfg.router_type == "top_p" and cfg.entropy_loss_coeff > 0
+        if not (weights or wants_z or wants_entropy):
+            return losses
+        selected_TE = routing.selected_TE
+        E = selected_TE.shape[1]
+        # Assignments per expert and routed tokens, over the token group: one all-reduce.
+        group_E1 = torch.cat([selected_TE.sum(0, dtype=torch.float32),
+                              real_tokens(selected_TE).sum(dtype=torch.float32).reshape(1)])
+        self.token_comm.all_reduce(group_E1, op="sum")
+        counts_E, num_tokens = group_E1[:E], group_E1[E]
+        if "aux_loss" in weights:
+            losses["aux_loss"] = switch_aux_loss(routing.probs_TE, selected_TE, counts_E,
+                                                 num_tokens)
+        if "global_aux_loss" in weights:
+            replica_E = selected_TE.sum(0, dtype=torch.float32)
+            self.replica_comm.all_reduce(replica_E, op="sum")
+            load = self.router.load
+            mean_E = load.mean_global_counts(replica_E) if counted or load.global_counts_E is None \
+                else load.global_counts_E / load.global_microbatches
+            losses["global_aux_loss"] = switch_aux_loss(routing.probs_TE, selected_TE, mean_E,
+                                                        num_tokens)
+        if "seq_aux_loss" in weights:
+            per_sequence = sequence_counts(selected_TE, seq_len, batch)
+            self.token_comm.all_reduce(per_sequence, op="sum")
+            losses["seq_aux_loss"] = sequence_aux_loss(routing.probs_TE, selected_TE, seq_len,
+                                                       batch, per_sequence)
+        if wants_z:
+            losses["z_loss"] = z_loss(routing.logits_TE, selected_TE, num_tokens)
+        if wants_entropy:
+            losses["entropy_loss"] = entropy_loss(routing.probs_TE, selected_TE, num_tokens)
         return losses
 
     def _weighted(self, losses: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        coeff = {"aux_loss": self.cfg.aux_loss_coeff, "seq_aux_loss": self.cfg.aux_loss_coeff,
-                 "z_loss": self.cfg.z_loss_coeff, "entropy_loss": self.cfg.entropy_loss_coeff}
+        coeff = {**self.cfg.balance_loss_coeffs, "z_loss": self.cfg.z_loss_coeff,
+                 "entropy_loss": self.cfg.entropy_loss_coeff}
         return {name: coeff[name] * value for name, value in losses.items()}
-

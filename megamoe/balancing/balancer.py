@@ -57,6 +57,10 @@ def step_balancing(models: Union[nn.Module, Iterable[nn.Module]],
 
     Call it after the backward passes of all micro-batches, on every rank of the replica group.
     Every rank applies the same update to the same reduced counts, so biases stay identical.
+    Under Megatron's training loop with `moe_router_enable_expert_bias`, its finalize_model_grads
+    updates the biases itself (from `local_tokens_per_expert`); step_balancing is then not
+    needed, and if called afterwards it only reports the step's metrics and resets the trackers
+    (it never updates a bias twice).
     """
     comm = replica_comm or SingleComm()
     routers = routers_of(models)
@@ -76,11 +80,12 @@ def step_balancing(models: Union[nn.Module, Iterable[nn.Module]],
         layer_maxes = maxes[2 * index:2 * index + 2]
         name = f"moe/layer{router.layer_number if router.layer_number is not None else index}"
         metrics.update(_layer_metrics(router, chunk, layer_maxes, name))
-        if router.expert_bias is not None and router.training:
-            E = router.cfg.num_experts
+        bias_E = router.bias_E
+        if bias_E is not None and router.training and not router.counts_consumed_by_megatron:
             with torch.no_grad():
-                router.expert_bias += bias_update(chunk[:E], router.cfg.bias_update_rate,
-                                                  router.cfg.bias_mean_centering)
+                bias_E += bias_update(chunk[:router.cfg.num_experts], router.cfg.bias_update_rate,
+                                      router.cfg.bias_mean_centering)
+            router.clear_megatron_counts()
         router.load.reset()
     return metrics
 
@@ -93,11 +98,11 @@ def _layer_metrics(router: nn.Module, chunk: torch.Tensor, layer_maxes: torch.Te
     if tokens == 0:
         return {}
     loss_values = chunk[2 * E + _SUMS:].tolist()
-    total = float(selected_E.sum())
+    total = max(float(selected_E.sum()), 1.0)
     out: dict[str, object] = {
         f"{name}/maxvio_global": float(maxvio(selected_E)),
         f"{name}/maxvio_batch": maxvio_sum / microbatches,
-        f"{name}/cv": float(selected_E.std(unbiased=False) / selected_E.mean()),
+        f"{name}/cv": float(selected_E.std(unbiased=False) / selected_E.mean().clamp_min(1e-9)),
         f"{name}/experts_per_token": ept_sum / tokens,
         f"{name}/experts_per_token_max": float(layer_maxes[0]),
         f"{name}/experts_per_token_min": float(-layer_maxes[1]),

@@ -18,6 +18,8 @@ class LoadTracker:
     tokens, experts_per_token_sum/min/max: over non-padded tokens.
     microbatch_maxvio_sum, microbatches: MaxVio of each micro-batch on this rank.
     loss_sums: detached balance-loss values summed over micro-batches.
+    global_counts_E, global_microbatches: the global aux loss's assignment counts over the
+        router's replica group, summed over this step's micro-batches (its running mean).
     """
 
     def __init__(self, num_experts: int):
@@ -31,6 +33,20 @@ class LoadTracker:
         self.experts_per_token_max: Optional[torch.Tensor] = None
         self.experts_per_token_min: Optional[torch.Tensor] = None
         self.loss_sums: dict[str, torch.Tensor] = {}
+        self.reset_global_counts()
+
+    def reset_global_counts(self) -> None:
+        self.global_counts_E: Optional[torch.Tensor] = None
+        self.global_microbatches = 0
+
+    def mean_global_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        """Add one micro-batch's replica-group counts; return their mean over this step so far
+        (Megatron-Core's global aux loss, arXiv 2501.11873)."""
+        counts_E = counts_E.detach()
+        self.global_counts_E = counts_E if self.global_counts_E is None else \
+            self.global_counts_E + counts_E
+        self.global_microbatches += 1
+        return self.global_counts_E / self.global_microbatches
 
     @property
     def empty(self) -> bool:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from megamoe.balancing.tracker import LoadTracker
 from megamoe.config import MoEConfig
+from megamoe.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -52,26 +53,45 @@ class Router(nn.Module):
 
     Subclasses implement `select(scores_TE, logits_TE) -> (selected_TE, gates_TE)`, where
     `scores_TE` are the router probabilities. The expert bias (arXiv 2408.15664) lives in the fp32
-    buffer `expert_bias`; it steers selection only and is updated by
-    `megamoe.balancing.step_balancing`, never by gradients.
+    buffer `expert_bias`; it steers selection only and is updated once per optimizer step, never
+    by gradients: by `megamoe.balancing.step_balancing`, or by Megatron-Core's
+    `finalize_model_grads`, which duck-types routers by their `expert_bias` and
+    `local_tokens_per_expert` buffers (a router without a bias has neither attribute).
+
+    Megatron stacks the buffers of every router it finds, so they must all have one width.
+    `bias_width` W > E (the widest router of a model with different expert counts) pads both:
+    `local_tokens_per_expert` then holds E * c_i for the real experts and sum(c) in the padding,
+    so Megatron's rule `b += u * sign(mean - x)` computes exactly u * sign(mean(c) - c_i) for
+    the real experts and leaves the padding at 0. The state dict holds the real [E] bias only.
     """
 
-    def __init__(self, cfg: MoEConfig, init_method=None):
+    def __init__(self, cfg: MoEConfig, init_method=None, bias_width: Optional[int] = None):
         super().__init__()
         self.cfg = cfg
-        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        E = cfg.num_experts
+        self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size))
         (init_method or _normal_init(cfg.init_method_std))(self.weight)
-        if cfg.balancing == "bias":
-            self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
-        else:
-            self.expert_bias = None
-        self.load = LoadTracker(cfg.num_experts)
+        if cfg.uses_expert_bias:
+            width = bias_width or E
+            if width < E:
+                raise ConfigError(f"bias_width={width} is below num_experts={E}")
+            self.register_buffer("expert_bias", torch.zeros(width, dtype=torch.float32))
+            self.register_buffer("local_tokens_per_expert",
+                                 torch.zeros(width, dtype=torch.float32), persistent=False)
+            self._counts_version = self.local_tokens_per_expert._version
+        self.load = LoadTracker(E)
         self.layer_number: Optional[int] = None
+
+    @property
+    def bias_E(self) -> Optional[torch.Tensor]:
+        """The real experts' bias [E] (a view), or None without loss-free balancing."""
+        bias = getattr(self, "expert_bias", None)
+        return None if bias is None else bias[:self.cfg.num_experts]
 
     def forward(self, x_TD: torch.Tensor, padding_mask_T: Optional[torch.Tensor] = None) -> Routing:
         """Route tokens; padded tokens (padding_mask_T True) go to no expert and are not counted."""
         dtype = self.cfg.torch_router_dtype
-        logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
+        logits_TE = F.linear(self.jitter(x_TD).to(dtype), self.weight.to(dtype))
         probs_TE = self.probabilities(logits_TE)
         selected_TE, gates_TE = self.select(probs_TE, logits_TE)
         if padding_mask_T is not None:
@@ -79,6 +99,15 @@ class Router(nn.Module):
             selected_TE = selected_TE & keep_T1
             gates_TE = gates_TE * keep_T1
         return Routing(selected_TE, selected_TE, gates_TE, probs_TE, logits_TE)
+
+    def jitter(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """Training only: x * U(1 - eps, 1 + eps), the input jitter of the Switch Transformer
+        (arXiv 2101.03961) as Megatron's `moe_input_jitter_eps` applies it to the router input."""
+        eps = self.cfg.input_jitter_eps
+        if eps is None or not self.training:
+            return x_TD
+        noise = torch.empty_like(x_TD).uniform_(1.0 - eps, 1.0 + eps)
+        return x_TD * noise
 
     def probabilities(self, logits_TE: torch.Tensor) -> torch.Tensor:
         """Softmax over experts, or sigmoid scores (normalised per token for the balance loss)."""
@@ -88,41 +117,93 @@ class Router(nn.Module):
 
     def selection_scores(self, scores_TE: torch.Tensor) -> torch.Tensor:
         """Scores that decide selection: the router scores plus the balancing bias, if any."""
-        if self.expert_bias is None:
+        bias_E = self.bias_E
+        if bias_E is None:
             return scores_TE.detach()
-        return scores_TE.detach() + self.expert_bias.to(scores_TE.dtype)
+        return scores_TE.detach() + bias_E.to(scores_TE.dtype)
 
     def select(self, scores_TE: torch.Tensor, logits_TE: torch.Tensor):
         raise NotImplementedError
 
+    def counts_this_forward(self) -> bool:
+        """True for a kept training forward (not eval, not activation recomputation): the only
+        forwards whose routing is counted."""
+        return self.training and not in_recomputation()
+
     def record(self, routing: Routing, losses: dict[str, torch.Tensor]) -> None:
         """Count this routing and its (unweighted) balance losses for balancing and metrics, if
-        it is a kept training forward (not eval, not activation recomputation)."""
-        if self.training and not in_recomputation():
-            self.load.record(routing.selected_TE, routing.routing_map_TE)
-            self.load.record_losses(losses)
+        it is a kept training forward."""
+        if not self.counts_this_forward():
+            return
+        self.load.record(routing.selected_TE, routing.routing_map_TE)
+        self.load.record_losses(losses)
+        if self.bias_E is not None:
+            self._add_megatron_counts(routing.selected_TE.sum(0, dtype=torch.float32))
 
     @property
-    def local_tokens_per_expert(self) -> torch.Tensor:
-        """This step's selection counts under the name Megatron-Core's `finalize_model_grads`
-        reads (and zeroes in place) when `moe_router_enable_expert_bias` drives the bias update
-        from Megatron-LM's training loop instead of `step_balancing`."""
-        if self.load.empty:
-            return self.weight.new_zeros(self.cfg.num_experts, dtype=torch.float32)
-        return self.load.selected_E
+    def counts_consumed_by_megatron(self) -> bool:
+        """True when someone else (Megatron's reset_model_temporary_tensors, after its bias
+        update) changed `local_tokens_per_expert` since this router last added to it: the step
+        whose counts those were has ended."""
+        counts = getattr(self, "local_tokens_per_expert", None)
+        return counts is not None and counts._version != self._counts_version
+
+    @torch.no_grad()
+    def _add_megatron_counts(self, counts_E: torch.Tensor) -> None:
+        E, buffer = self.cfg.num_experts, self.local_tokens_per_expert
+        if buffer.numel() == E:
+            buffer += counts_E
+        else:
+            buffer[:E] += E * counts_E
+            buffer[E:] += counts_E.sum()
+        self._counts_version = buffer._version
+
+    @torch.no_grad()
+    def clear_megatron_counts(self) -> None:
+        """Zero `local_tokens_per_expert` (after megamoe's own bias update)."""
+        if self.bias_E is not None:
+            self.local_tokens_per_expert.zero_()
+            self._counts_version = self.local_tokens_per_expert._version
+
+    def reset_global_aux_loss_tracker(self) -> None:
+        """Called by Megatron's finalize_model_grads once per step when `global_aux_loss` is on:
+        restart the step's running global counts."""
+        self.load.reset_global_counts()
+
+    @property
+    def _padded(self) -> bool:
+        bias = getattr(self, "expert_bias", None)
+        return bias is not None and bias.numel() > self.cfg.num_experts
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._padded:
+            destination[prefix + "expert_bias"] = self.bias_E
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + "expert_bias"
+        if self._padded and key in state_dict:
+            padded = torch.zeros_like(self.expert_bias)
+            padded[:self.cfg.num_experts] = state_dict[key]
+            state_dict[key] = padded
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _apply(self, fn, recurse=True):
-        """Move the expert bias with the module but keep it in fp32 (a bf16 cast would erase
-        updates of size 1e-3)."""
-        bias = self.expert_bias
-        if bias is None:
+        """Move the bias buffers with the module but keep them in fp32 (a bf16 cast would erase
+        bias updates of size 1e-3 and round large token counts)."""
+        names = [n for n in ("expert_bias", "local_tokens_per_expert") if n in self._buffers]
+        if not names:
             return super()._apply(fn, recurse)
-        self._buffers["expert_bias"] = None
+        kept = {name: self._buffers[name] for name in names}
+        for name in names:
+            self._buffers[name] = None
         try:
             super()._apply(fn, recurse)
         finally:
-            moved_device = fn(bias[:0]).device
-            self._buffers["expert_bias"] = bias.to(device=moved_device, dtype=torch.float32)
+            for name, buffer in kept.items():
+                device = fn(buffer[:0]).device
+                self._buffers[name] = buffer.to(device=device, dtype=torch.float32)
+            self._counts_version = self.local_tokens_per_expert._version
         return self
 
 

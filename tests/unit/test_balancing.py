@@ -132,9 +132,11 @@ def test_aux_loss_uses_the_routing_actually_used():
                                                       rel=1e-5)
 
 
-def test_aux_loss_identical_at_ep1_and_mock_ep4():
+def test_global_aux_loss_identical_at_ep1_and_mock_ep4():
+    """The global aux loss counts over every replica (here 4 data-parallel ranks): the mean of
+    the per-rank losses (what data-parallel gradient averaging trains) is the one-rank loss."""
     torch.manual_seed(0)
-    layer = MoELayer(config(balancing="aux_loss", z_loss_coeff=1e-3))
+    layer = MoELayer(config(balancing="global_aux_loss", z_loss_coeff=1e-3))
     x = torch.randn(4, 8, D)  # 4 ranks x 8 tokens
     ref = layer.balance_losses(layer.router(x.reshape(-1, D)), 32, 1)
 
@@ -143,7 +145,7 @@ def test_aux_loss_identical_at_ep1_and_mock_ep4():
         return replica.balance_losses(replica.router(x[comm.rank]), 8, 1)
 
     per_rank = run_ranks(4, rank)
-    for name in ("aux_loss", "z_loss"):
+    for name in ("global_aux_loss", "z_loss"):
         mean = sum(float(r[name].detach()) for r in per_rank) / 4
         assert mean == pytest.approx(float(ref[name].detach()), rel=1e-6, abs=1e-7)
 

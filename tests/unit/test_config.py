@@ -58,7 +58,7 @@ def test_from_transformer_config_reads_megatron_moe_fields():
         gated_linear_unit=True, activation_func=F.silu)
     cfg = MoEConfig.from_transformer_config(tc, router_type="topk")
     assert (cfg.num_experts, cfg.topk, cfg.ffn_hidden_size, cfg.hidden_size) == (16, 4, 48, 64)
-    assert (cfg.score_function, cfg.balancing, cfg.bias_update_rate) == ("sigmoid", "bias", 2e-3)
+    assert (cfg.score_function, cfg.balancing, cfg.bias_update_rate) == ("sigmoid", ["bias"], 2e-3)
     assert (cfg.num_groups, cfg.groups_per_token, cfg.topk_scaling_factor) == (4, 2, 2.5)
     assert (cfg.shared_expert_ffn_size, cfg.capacity_factor, cfg.drop_policy) == (64, 1.25, "position")
     assert (cfg.z_loss_coeff, cfg.activation) == (1e-3, "swiglu")

@@ -6,6 +6,11 @@ user's `moe_*` settings from the TransformerConfig (`MoEConfig.from_transformer_
 spec's `moe` overrides on top, and takes its process groups from the pg_collection (or
 Megatron's parallel_state). Its `sharded_state_dict` writes Megatron-Core's own MoE checkpoint
 layout with experts keyed by global id (`megamoe.megatron.sharded_state`).
+
+Under Megatron-LM's training loop: its `finalize_model_grads` updates the expert biases (see
+`megamoe.routing.Router`), its logging shows the balance losses and load metrics
+(`megamoe.megatron.tracker`), and under sequence parallelism the balance losses are taken over
+the whole tensor-parallel group's tokens, so they train the router exactly as at TP=1.
 """
 from __future__ import annotations
 
@@ -17,7 +22,9 @@ from megamoe.config import MoEConfig
 from megamoe.errors import ConfigError
 from megamoe.layer import MoELayer
 from megamoe.megatron.sharded_state import drop_extra_state_placeholders, moe_sharded_state_dict
-from megamoe.parallel.comm import as_comm
+from megamoe.megatron.tracker import CLOCK, save_layer_statistics
+from megamoe.parallel.comm import SingleComm, as_comm
+from megamoe.routing import Routing
 
 
 class MegatronMoELayer(MoELayer):
@@ -25,17 +32,23 @@ class MegatronMoELayer(MoELayer):
 
     moe: MoEConfig fields that override (or add to) what the TransformerConfig says, e.g.
         {"router_type": "top_p"} or a per-layer {"num_experts": 16}.
+    bias_width: width of the expert-bias buffers (the widest router of the model).
     """
 
     def __init__(self, config: Any, submodules: Any = None, layer_number: Optional[int] = None,
                  pg_collection: Any = None, is_mtp_layer: bool = False, name: Optional[str] = None,
-                 moe: Optional[dict] = None):
+                 moe: Optional[dict] = None, bias_width: Optional[int] = None):
         cfg = MoEConfig.from_transformer_config(config, **(moe or {}))
         pgs = pg_collection if pg_collection is not None else get_default_pg_collection()
         _check_supported_parallelism(config, pgs)
+        _check_megatron_bias_update(config, cfg)
+        tp = pgs.tp.size() if pgs.tp is not None else 1
         super().__init__(cfg, ep_comm=as_comm(pgs.ep), replica_comm=as_comm(pgs.tp_dp_cp),
                          init_method=config.init_method,
-                         output_init_method=config.output_layer_init_method)
+                         output_init_method=config.output_layer_init_method,
+                         token_comm=as_comm(pgs.tp) if tp > 1 else SingleComm(),
+                         bias_width=bias_width)
+        self._generation = CLOCK.tick()
         self.config = config
         self.pg_collection = pgs
         if layer_number is not None:
@@ -49,11 +62,40 @@ class MegatronMoELayer(MoELayer):
             for param in (*self.router.parameters(), *shared):
                 param.sequence_parallel = True
 
+    def start_counting(self) -> None:
+        """A new step also begins when Megatron-LM's logging zeroed its MoE tracker."""
+        generation = CLOCK.tick()
+        if generation != self._generation:
+            self._generation = generation
+            self.router.load.reset()
+        super().start_counting()
+
+    def report(self, routing: Routing, losses: dict) -> None:
+        """Balance losses and load metrics into Megatron-Core's MoE logging tracker."""
+        num_layers = self.config.num_layers + (getattr(self.config, "mtp_num_layers", 0) or 0)
+        group = self.pg_collection.tp if self.token_comm.size > 1 else None
+        save_layer_statistics(losses, routing.selected_TE, self.router.layer_number, num_layers,
+                              token_group=group)
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> dict:
         """Megatron-Core's MoE checkpoint layout (experts on a global expert axis), called by
         TransformerLayer with the layer's prefix and offsets."""
         return moe_sharded_state_dict(self, prefix, sharded_offsets, metadata)
+
+
+def _check_megatron_bias_update(config: Any, cfg: MoEConfig) -> None:
+    """Megatron's finalize_model_grads applies its own rate and rule to every bias router when
+    `moe_router_enable_expert_bias` is on; refuse per-layer settings it would silently replace."""
+    if not (config.moe_router_enable_expert_bias and cfg.uses_expert_bias):
+        return
+    if cfg.bias_update_rate != config.moe_router_bias_update_rate or cfg.bias_mean_centering:
+        raise ConfigError(
+            f"bias_update_rate={cfg.bias_update_rate}, bias_mean_centering="
+            f"{cfg.bias_mean_centering}: with moe_router_enable_expert_bias Megatron's "
+            "finalize_model_grads updates every bias at moe_router_bias_update_rate="
+            f"{config.moe_router_bias_update_rate} without centering; set the layer to match"
+        )
 
 
 def _check_supported_parallelism(config: Any, pgs: Any) -> None:

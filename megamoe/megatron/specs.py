@@ -1,30 +1,48 @@
 """Megatron-Core specs with megamoe layers in the `mlp` slot.
 
 - `moe_mlp_spec(**moe)`: the mlp-slot spec (a ModuleSpec of MegatronMoELayer).
-- `gpt_layer_spec(**moe)`: a full GPT TransformerLayer spec with a megamoe MLP.
+- `gpt_layer_spec(config, **moe)`: a full GPT TransformerLayer spec with a megamoe MLP.
 - `gpt_decoder_block_spec(config, ...)`: a decoder block spec interleaving dense and megamoe
   layers (Megatron's `moe_layer_freq`, a 0/1 list, or "first k dense"), with optional per-layer
   MoE overrides, so layers may differ in experts, top-k or router.
+- `interleaved_layer_spec(first_k_dense, **moe)`: one spec for every layer, whose layers decide
+  dense or MoE when they are built (`MegaMoETransformerLayer`).
 
-For Megatron-LM's `pretrain_gpt.py --spec megamoe.megatron.specs NAME`: `layer_spec` is a
-module-level ModuleSpec (versions that use the object directly), and `decoder_block_spec` is a
-callable taking `(config, vp_stage=None)` (versions that call it).
+For Megatron-LM's `pretrain_gpt.py --spec megamoe.megatron.specs NAME`, `layer_spec` and
+`decoder_block_spec` work as every Megatron-LM version consumes the named object:
+- core_v0.16 to core_v0.18 hand it straight to `GPTModel(transformer_layer_spec=...)`, whose
+  TransformerBlock accepts a ModuleSpec of a transformer layer (built once per layer of the
+  pipeline stage) or a TransformerBlockSubmodules. Both names are such ModuleSpecs.
+- From core_v0.19 the model builder calls `spec(config, vp_stage=...)` if the object is callable
+  and not a ModuleSpec, else uses it as is: both names are ModuleSpecs, so they are used as is.
+- Called as a spec function, `decoder_block_spec(config, vp_stage=None)` returns the block spec
+  for that config (any object whose attribute reads give the TransformerConfig's, such as
+  Megatron-LM's GPTModelConfig), and `layer_spec(config)` returns itself.
+Dense/MoE interleaving follows `--moe-layer-freq` (int or 0/1 list, which also expresses
+first-k-dense) in every case, and the layers use Transformer Engine when it imports and the
+config asks for it (`transformer_impl`), the local Megatron modules otherwise.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
+from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    get_transformer_layer_offset,
+)
+from megatron.core.utils import get_pg_rank
 
 from megamoe.errors import ConfigError
 from megamoe.megatron.moe_module import MegatronMoELayer
@@ -39,30 +57,47 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def moe_mlp_spec(**moe: Any) -> ModuleSpec:
-    """The `mlp` slot spec: a megamoe layer with MoEConfig overrides `moe`."""
-    return ModuleSpec(module=MegatronMoELayer, params={"moe": dict(moe)})
+def moe_mlp_spec(bias_width: Optional[int] = None, **moe: Any) -> ModuleSpec:
+    """The `mlp` slot spec: a megamoe layer with MoEConfig overrides `moe` (and the width of
+    its expert-bias buffers, see `megamoe.routing.Router`)."""
+    params: dict[str, Any] = {"moe": dict(moe)}
+    if bias_width is not None:
+        params["bias_width"] = bias_width
+    return ModuleSpec(module=MegatronMoELayer, params=params)
 
 
 def _base_layer_spec(config: Any, moe: bool, use_te: bool) -> ModuleSpec:
-    """Megatron's own GPT layer spec (its MoE variant for MoE layers, which keeps a separate
-    pre-MLP norm under Transformer Engine)."""
-    kwargs = dict(qk_layernorm=getattr(config, "qk_layernorm", False) if config else False)
+    """Megatron's own GPT layer spec for `config`'s attention and norm settings (its MoE variant
+    for MoE layers, which keeps a separate pre-MLP norm under Transformer Engine)."""
+    return _megatron_layer_spec(moe, use_te, bool(getattr(config, "qk_layernorm", False)),
+                                bool(getattr(config, "multi_latent_attention", False)),
+                                getattr(config, "normalization", None))
+
+
+@functools.lru_cache(maxsize=None)
+def _megatron_layer_spec(moe: bool, use_te: bool, qk_layernorm: bool, mla: bool,
+                         normalization: Optional[str]) -> ModuleSpec:
+    kwargs = dict(qk_layernorm=qk_layernorm, multi_latent_attention=mla)
     if moe:
         kwargs.update(num_experts=2, moe_grouped_gemm=False)
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(**kwargs)
-    return get_gpt_layer_local_spec(normalization=getattr(config, "normalization", None)
-                                    if config else None, **kwargs)
+    return get_gpt_layer_local_spec(normalization=normalization, **kwargs)
+
+
+def _uses_transformer_engine(config: Any, use_transformer_engine: Optional[bool]) -> bool:
+    if use_transformer_engine is not None:
+        return use_transformer_engine
+    wanted = getattr(config, "transformer_impl", "transformer_engine") == "transformer_engine"
+    return wanted and transformer_engine_available()
 
 
 def gpt_layer_spec(config: Any = None, use_transformer_engine: Optional[bool] = None,
-                   **moe: Any) -> ModuleSpec:
-    """A GPT TransformerLayer spec whose MLP is a megamoe layer."""
-    use_te = transformer_engine_available() if use_transformer_engine is None else \
-        use_transformer_engine
-    base = _base_layer_spec(config, moe=True, use_te=use_te)
-    submodules = dataclasses.replace(base.submodules, mlp=moe_mlp_spec(**moe))
+                   bias_width: Optional[int] = None, **moe: Any) -> ModuleSpec:
+    """A GPT TransformerLayer spec whose MLP is a megamoe layer (every layer MoE)."""
+    base = _base_layer_spec(config, moe=True,
+                            use_te=_uses_transformer_engine(config, use_transformer_engine))
+    submodules = dataclasses.replace(base.submodules, mlp=moe_mlp_spec(bias_width, **moe))
     return dataclasses.replace(base, submodules=submodules)
 
 
@@ -101,15 +136,19 @@ def gpt_decoder_block_spec(config: Any, first_k_dense: int = 0,
             "pipeline_model_parallel_layout is not supported by megamoe's block spec; use "
             "num_layers_in_first/last_pipeline_stage instead"
         )
-    use_te = transformer_engine_available() if use_transformer_engine is None else \
-        use_transformer_engine
+    use_te = _uses_transformer_engine(config, use_transformer_engine)
     overrides = layer_overrides or {}
     pattern = moe_layer_pattern(config, first_k_dense)
     bad = sorted(i for i in overrides if not (0 <= i < len(pattern) and pattern[i]))
     if bad:
         raise ConfigError(f"layer_overrides for layers {bad}, which are not MoE layers")
     dense = _base_layer_spec(config, moe=False, use_te=use_te)
-    specs = [gpt_layer_spec(config, use_te, **{**moe, **overrides.get(i, {})}) if is_moe else dense
+    # Every bias router of the model exposes buffers of the widest router's width, so that
+    # Megatron's finalize_model_grads can stack them (megamoe.routing.Router).
+    width = max([config.num_moe_experts or 0] +
+                [o.get("num_experts", 0) for o in overrides.values()] + [moe.get("num_experts", 0)])
+    layer_moe = {i: {**moe, **overrides.get(i, {})} for i, is_moe in enumerate(pattern) if is_moe}
+    specs = [gpt_layer_spec(config, use_te, bias_width=width, **layer_moe[i]) if is_moe else dense
              for i, is_moe in enumerate(pattern)]
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
@@ -119,15 +158,89 @@ def gpt_decoder_block_spec(config: Any, first_k_dense: int = 0,
     return TransformerBlockSubmodules(layer_specs=specs[offset:offset + count], layer_norm=norm)
 
 
-layer_spec = gpt_layer_spec(use_transformer_engine=False)
-"""Module-level GPT layer spec for `pretrain_gpt.py --spec megamoe.megatron.specs layer_spec`
-(local Megatron modules; the MoE settings come from the `--moe-*` flags)."""
+class MegaMoETransformerLayer(TransformerLayer):
+    """A TransformerLayer that is a megamoe MoE layer or Megatron's dense layer, decided when it
+    is built from its TransformerConfig (`moe_layer_freq`, plus `first_k_dense`) and its global
+    layer number, with Megatron's own attention and norm modules for that config.
+
+    One ModuleSpec of it serves every layer, which is how Megatron-LM's `--spec` object is used.
+    The global number is computed as TransformerLayer does (the pipeline/virtual-stage offset
+    added to the block-local `layer_number`); a multi-token-prediction layer takes the kind of
+    the last decoder layer, as Megatron's own MTP specs do.
+    """
+
+    def __init__(self, config: Any, submodules: Any = None, layer_number: int = 1,
+                 first_k_dense: int = 0, moe: Optional[dict] = None, **kwargs: Any):
+        number = _global_layer_number(config, layer_number, kwargs)
+        is_moe = moe_layer_pattern(config, first_k_dense)[number - 1]
+        use_te = _uses_transformer_engine(config, None)
+        base = _base_layer_spec(config, moe=is_moe, use_te=use_te).submodules
+        if is_moe:
+            base = dataclasses.replace(base, mlp=moe_mlp_spec(**(moe or {})))
+        super().__init__(config, base, layer_number, **kwargs)
 
 
-def decoder_block_spec(config: Any, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
-    """Callable form for `--spec megamoe.megatron.specs decoder_block_spec`."""
-    return gpt_decoder_block_spec(config, vp_stage=vp_stage)
+def _global_layer_number(config: Any, layer_number: int, kwargs: dict) -> int:
+    """1-based global layer number, exactly as TransformerLayer computes `self.layer_number`."""
+    if kwargs.get("is_mtp_layer"):
+        return config.num_layers
+    if kwargs.get("add_layer_offset", True) is False:
+        return layer_number
+    pgs = kwargs.get("pg_collection")
+    pp_group = getattr(pgs, "pp", None) if pgs is not None else \
+        parallel_state.get_pipeline_model_parallel_group()
+    offset = get_transformer_layer_offset(config, kwargs.get("vp_stage"), get_pg_rank(pp_group))
+    return layer_number + offset
 
 
-__all__ = ["decoder_block_spec", "gpt_decoder_block_spec", "gpt_layer_spec", "layer_spec",
-           "moe_layer_pattern", "moe_mlp_spec", "transformer_engine_available"]
+class MegatronLMSpec(ModuleSpec):
+    """A ModuleSpec of `MegaMoETransformerLayer` for Megatron-LM's `--spec` (used once per layer
+    by TransformerBlock in every version). Called as a spec function, `spec(config)` or
+    `spec(config, vp_stage=...)`, it returns `resolve(config, vp_stage)`; called any other way it
+    builds the layer, as a ModuleSpec does."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and set(kwargs) <= {"vp_stage"}:
+            return self.resolve(args[0], kwargs.get("vp_stage"))
+        return build_module(self, *args, **kwargs)
+
+    def resolve(self, config: Any, vp_stage: Optional[int] = None) -> Any:
+        """The spec for `config`: this layer spec itself."""
+        return self
+
+
+class MegatronLMBlockSpec(MegatronLMSpec):
+    """`MegatronLMSpec` whose spec-function form returns the whole decoder block spec."""
+
+    def resolve(self, config: Any, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
+        """The decoder block spec of this pipeline (and virtual) stage for `config`."""
+        return gpt_decoder_block_spec(config, vp_stage=vp_stage,
+                                      first_k_dense=self.params["first_k_dense"],
+                                      **self.params["moe"])
+
+
+def interleaved_layer_spec(first_k_dense: int = 0, block: bool = False,
+                           **moe: Any) -> MegatronLMSpec:
+    """One spec for every layer: dense or megamoe MoE per `moe_layer_freq` and `first_k_dense`,
+    decided at build time (`MegaMoETransformerLayer`); `moe` are MoEConfig overrides. With
+    `block`, its spec-function form returns the decoder block spec."""
+    cls = MegatronLMBlockSpec if block else MegatronLMSpec
+    template = gpt_layer_spec(use_transformer_engine=transformer_engine_available(), **moe)
+    return cls(module=MegaMoETransformerLayer, submodules=template.submodules,
+               params={"first_k_dense": first_k_dense, "moe": dict(moe)})
+
+
+layer_spec = interleaved_layer_spec()
+"""`pretrain_gpt.py --spec megamoe.megatron.specs layer_spec`: every layer dense or MoE as
+`--moe-layer-freq` says, MoE settings from the `--moe-*` flags."""
+
+decoder_block_spec = interleaved_layer_spec(block=True)
+"""`pretrain_gpt.py --spec megamoe.megatron.specs decoder_block_spec`: the same layers; called
+as a spec function (`decoder_block_spec(config, vp_stage=...)`) it returns the explicit decoder
+block spec of that config's pipeline stage."""
+
+
+__all__ = ["MegaMoETransformerLayer", "MegatronLMBlockSpec", "MegatronLMSpec",
+           "decoder_block_spec", "gpt_decoder_block_spec", "gpt_layer_spec",
+           "interleaved_layer_spec", "layer_spec", "moe_layer_pattern", "moe_mlp_spec",
+           "transformer_engine_available"]

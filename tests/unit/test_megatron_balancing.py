@@ -1,0 +1,235 @@
+"""megamoe's balancing against Megatron-Core's own: its TopKRouter on identical weights and
+inputs (routing map, gates, loss values, gradients), and its `finalize_model_grads` driving
+megamoe's expert biases over several steps, with Megatron's MoE logging tracker."""
+import pytest
+import torch
+import torch.nn.functional as F
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear_aux_losses_tracker,
+                                                     get_moe_layer_wise_logging_tracker,
+                                                     track_moe_metrics)
+from megatron.core.transformer.moe.router import TopKRouter
+from torch import nn
+
+from megamoe import MoEConfig
+from megamoe.balancing import maxvio, step_balancing
+from megamoe.layer import MoELayer
+from megamoe.megatron.models import causal_attention_mask, tiny_transformer_config
+from megamoe.megatron.moe_module import MegatronMoELayer
+from megamoe.megatron.runtime import setup_megatron, teardown_megatron
+from megamoe.megatron.specs import gpt_decoder_block_spec
+
+S, B, H, E = 8, 3, 16, 8
+MEGATRON_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                       "global_aux_loss": "global_load_balancing_loss", "z_loss": "z_loss"}
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    setup_megatron(seed=5)
+    yield
+    teardown_megatron()
+
+
+@pytest.fixture(autouse=True)
+def fresh_tracker():
+    get_moe_layer_wise_logging_tracker().clear()
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    yield
+    get_moe_layer_wise_logging_tracker().clear()
+
+
+COMBINATIONS = {
+    # DeepSeek-V3's recipe: sigmoid scores, bias, sequence-wise aux loss 1e-4, gates x 2.5.
+    "bias_seq_aux": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                         moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4,
+                         moe_router_topk_scaling_factor=2.5, moe_z_loss_coeff=1e-3),
+    "bias_aux": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                     moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2),
+    "bias_global_aux": dict(moe_router_score_function="sigmoid",
+                            moe_router_enable_expert_bias=True,
+                            moe_router_load_balancing_type="global_aux_loss",
+                            moe_aux_loss_coeff=1e-2),
+    "aux_and_seq_aux_lists": dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
+                                  moe_aux_loss_coeff=[1e-2, 1e-3], moe_z_loss_coeff=1e-3),
+    "softmax_pre_z": dict(moe_router_pre_softmax=True, moe_router_load_balancing_type="aux_loss",
+                          moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-2),
+}
+
+
+def router_pair(settings, bias=None):
+    tc = tiny_transformer_config(num_layers=1, hidden_size=H, num_attention_heads=2,
+                                 num_moe_experts=E, moe_router_topk=2, moe_ffn_hidden_size=8,
+                                 **settings)
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    theirs = TopKRouter(tc, pg_collection=get_default_pg_collection())
+    theirs.set_layer_number(1)
+    ours = MoELayer(MoEConfig.from_transformer_config(tc))
+    with torch.no_grad():
+        theirs.weight.copy_(torch.randn(E, H, generator=torch.Generator().manual_seed(1)) * 0.5)
+        ours.router.weight.copy_(theirs.weight)
+        if bias is not None:
+            theirs.expert_bias.copy_(bias)
+            ours.router.expert_bias.copy_(bias)
+    return tc, theirs, ours
+
+
+@pytest.mark.parametrize("case", sorted(COMBINATIONS))
+def test_balancing_matches_megatron_topk_router(megatron, case):
+    tc, theirs, ours = router_pair(COMBINATIONS[case])
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(2))
+    weights_TE = torch.randn(S * B, E, generator=torch.Generator().manual_seed(3))
+
+    probs, routing_map = theirs(x)
+    (probs * weights_TE).sum().backward()
+
+    routing = ours.router(x.reshape(S * B, H))
+    losses = ours.balance_losses(routing, S, B)
+    total = (routing.gates_TE * weights_TE).sum() + sum(ours._weighted(losses).values())
+    total.backward()
+
+    assert torch.equal(routing.selected_TE, routing_map)
+    torch.testing.assert_close(routing.gates_TE, probs, rtol=1e-6, atol=1e-7)
+    tracker = get_moe_layer_wise_logging_tracker()
+    expected_names = {MEGATRON_LOSS_NAMES[n] for n in losses}
+    assert expected_names == set(tracker)
+    for name, value in losses.items():
+        torch.testing.assert_close(value.detach(), tracker[MEGATRON_LOSS_NAMES[name]]["values"][0],
+                                   rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(ours.router.weight.grad, theirs.weight.grad, rtol=1e-5, atol=1e-8)
+
+
+def test_group_limited_bias_routing_matches_megatron(megatron):
+    """DeepSeek-V3 routing (4 of 8 groups... here 2 of 4, bias, scaling 2.5): the same experts
+    and gates as Megatron's router for a non-zero bias."""
+    settings = dict(COMBINATIONS["bias_seq_aux"], moe_router_num_groups=4, moe_router_group_topk=2)
+    bias = torch.linspace(-0.2, 0.3, E)
+    _, theirs, ours = router_pair(settings, bias)
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(4))
+    probs, routing_map = theirs(x)
+    routing = ours.router(x.reshape(S * B, H))
+    assert torch.equal(routing.selected_TE, routing_map)
+    torch.testing.assert_close(routing.gates_TE, probs.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_softmax_scores_with_bias_stay_available_in_megamoe_config():
+    cfg = MoEConfig(hidden_size=H, num_experts=E, ffn_hidden_size=8, score_function="softmax",
+                    balancing=["bias", "seq_aux_loss", "aux_loss"], aux_loss_coeff=[1e-4, 1e-3])
+    assert cfg.uses_expert_bias and cfg.balance_loss_coeffs == {"seq_aux_loss": 1e-4,
+                                                               "aux_loss": 1e-3}
+    layer = MoELayer(cfg)
+    layer.router.expert_bias.copy_(torch.linspace(-1, 1, E))
+    routing = layer.router(torch.randn(10, H))
+    assert set(layer.balance_losses(routing, 10, 1)) == {"seq_aux_loss", "aux_loss"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron's finalize_model_grads as the training loop's bias update
+
+
+class MegatronChunk(nn.Module):
+    """What finalize_model_grads expects of a model chunk on one rank: `.module`, `.config` and
+    `finish_grad_sync()` (Megatron's DDP; nothing to reduce with one data-parallel rank)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module, self.config = module, module.config
+
+    def finish_grad_sync(self, force_all_reduce=False):
+        pass
+
+
+def heterogeneous_gpt():
+    """4 layers: dense, MoE 4 experts with bias, MoE 8 experts with bias, MoE 4 experts
+    without bias (aux loss only), all in one bias run."""
+    from megatron.core.models.gpt import GPTModel
+
+    tc = tiny_transformer_config(num_layers=4, num_moe_experts=4, moe_router_topk=2,
+                                 moe_ffn_hidden_size=16, moe_layer_freq=[0, 1, 1, 1],
+                                 moe_router_score_function="sigmoid",
+                                 moe_router_enable_expert_bias=True,
+                                 moe_router_bias_update_rate=1e-2,
+                                 moe_router_load_balancing_type="seq_aux_loss",
+                                 moe_aux_loss_coeff=1e-4, moe_z_loss_coeff=1e-3)
+    spec = gpt_decoder_block_spec(tc, layer_overrides={2: {"num_experts": 8, "topk": 3},
+                                                       3: {"balancing": "aux_loss",
+                                                           "aux_loss_coeff": 1e-2}})
+    model = GPTModel(tc, spec, vocab_size=64, max_sequence_length=16,
+                     share_embeddings_and_output_weights=False)
+    return tc, model
+
+
+def test_megatron_finalize_model_grads_drives_heterogeneous_layers(megatron):
+    tc, model = heterogeneous_gpt()
+    layers = [m for m in model.modules() if isinstance(m, MegatronMoELayer)]
+    assert [(l.cfg.num_experts, l.cfg.uses_expert_bias) for l in layers] == \
+        [(4, True), (8, True), (4, False)]
+    assert not hasattr(layers[2].router, "expert_bias")
+    captured = {id(l.router): [] for l in layers}
+    for layer in layers:
+        layer.router.register_forward_hook(
+            lambda mod, args, out: captured[id(mod)].append(out) if mod.training else None)
+    chunk = MegatronChunk(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected_bias = {id(l.router): torch.zeros(l.cfg.num_experts) for l in layers[:2]}
+    for step in range(4):
+        for values in captured.values():
+            values.clear()
+        optimizer.zero_grad()
+        for micro in range(2):
+            tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(10 * step + micro))
+            positions = torch.arange(16).expand(2, -1)
+            model(tokens, positions, causal_attention_mask(16), labels=tokens).mean().backward()
+        # Megatron's own step: finalize_model_grads (bias update and reset), optimizer, logging.
+        finalize_model_grads([chunk])
+        optimizer.step()
+        for layer in layers[:2]:
+            counts = sum(r.selected_TE.sum(0).float() for r in captured[id(layer.router)])
+            expected_bias[id(layer.router)] += 1e-2 * torch.sign(counts.mean() - counts)
+            torch.testing.assert_close(layer.router.bias_E, expected_bias[id(layer.router)])
+            assert float(layer.router.local_tokens_per_expert.abs().sum()) == 0
+        tracker = get_moe_layer_wise_logging_tracker()
+        # The tracker holds this step's two micro-batches per layer (Megatron sums them).
+        for layer in layers:
+            index = layer.router.layer_number - 1
+            mb_maxvio = sum(float(maxvio(r.selected_TE.sum(0).float()))
+                            for r in captured[id(layer.router)])
+            assert float(tracker["moe_maxvio_batch"]["values"][index]) == pytest.approx(mb_maxvio, rel=1e-5)
+        assert float(tracker["seq_load_balancing_loss"]["values"][1]) > 0
+        assert float(tracker["load_balancing_loss"]["values"][3]) > 0
+        assert float(tracker["load_balancing_loss"]["values"][1]) == 0
+        totals = {}
+        track_moe_metrics(loss_scale=0.5, iteration=step, total_loss_dict=totals,
+                          num_layers=4, moe_layer_freq=[0, 1, 1, 1],
+                          track_names=["seq_load_balancing_loss", "load_balancing_loss", "z_loss"])
+        assert totals["z_loss"] > 0
+    # Each step's tracker held that step only: micro-batch counts did not grow.
+    for layer in layers:
+        assert float(layer.router.load.sums[3]) == 2
+    biases = [layer.router.bias_E.clone() for layer in layers[:2]]
+    metrics = step_balancing(model)  # safe after Megatron's update: metrics, no second update
+    assert all(torch.equal(b, l.router.bias_E) for b, l in zip(biases, layers[:2]))
+    assert metrics["moe/layer3/experts_per_token"] == pytest.approx(3.0)
+
+
+def test_step_balancing_after_finalize_with_no_tokens_is_safe(megatron):
+    tc, model = heterogeneous_gpt()
+    finalize_model_grads([MegatronChunk(model)])
+    assert step_balancing(model) == {}
+    clear_aux_losses_tracker()
+
+
+def test_padded_bias_survives_state_dict_round_trip(megatron):
+    _, model = heterogeneous_gpt()
+    router = [m for m in model.modules() if isinstance(m, MegatronMoELayer)][0].router
+    assert router.expert_bias.numel() == 8 and router.cfg.num_experts == 4
+    router.bias_E.copy_(torch.tensor([0.1, -0.2, 0.3, -0.4]))
+    state = model.state_dict()
+    key = [k for k in state if k.endswith("router.expert_bias")][0]
+    assert state[key].shape == (4,)
+    _, fresh = heterogeneous_gpt()
+    fresh.load_state_dict(state)
+    fresh_router = [m for m in fresh.modules() if isinstance(m, MegatronMoELayer)][0].router
+    assert torch.equal(fresh_router.bias_E, router.bias_E)
+    assert float(fresh_router.expert_bias[4:].abs().sum()) == 0

@@ -130,6 +130,10 @@ class UpcycleRecipe:
         """
         if self.topk % self.granularity:
             return False, f"topk={self.topk} is not a multiple of granularity={self.granularity}"
+        if self.granularity > 1 and self.router_init != "virtual_group":
+            return False, (f"router_init={self.router_init!r} with granularity={self.granularity} "
+                           "scores the shards of one dense copy independently, so a token's "
+                           "top-k mixes shards of different copies")
         if not self.renormalised_gates:
             return False, "gates are not renormalised over the chosen experts"
         if self.drop_ratio > 0 or self.noise_std > 0:

@@ -32,10 +32,10 @@ def _setup(world_size: int, timeout_s: float = 120.0):
 
 
 LAYER_CASES = {
-    "topk_global_aux": dict(balancing="aux_loss", z_loss_coeff=1e-2),
+    "topk_global_aux": dict(balancing="global_aux_loss", z_loss_coeff=1e-2),
     "group_limited_bias": dict(score_function="sigmoid", num_groups=4, groups_per_token=2, topk=4,
                                balancing="bias", topk_scaling_factor=2.5),
-    "top_p": dict(router_type="top_p", top_p_threshold=0.6, balancing="aux_loss",
+    "top_p": dict(router_type="top_p", top_p_threshold=0.6, balancing="global_aux_loss",
                   entropy_loss_coeff=1e-2),
     "capacity_probs": dict(capacity_factor=1.0, drop_policy="probs"),
     "capacity_position": dict(capacity_factor=0.6, drop_policy="position", topk=3),
@@ -257,7 +257,7 @@ def _gpt_part(pgs, rank: int, world_size: int, ckpt_dir: str, steps: int = 30) -
 
     # The second layer uses the global aux loss and the all-gather dispatcher.
     model = _megamoe_gpt(_gpt_config(), layer_overrides={
-        1: {"balancing": "aux_loss", "score_function": "softmax", "dispatcher": "allgather"}})
+        1: {"balancing": "global_aux_loss", "score_function": "softmax", "dispatcher": "allgather"}})
     _fill_weights(model, pgs.ep.rank(), seed=99)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     dp_group = parallel_state.get_data_parallel_group()

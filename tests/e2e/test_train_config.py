@@ -30,7 +30,8 @@ def test_recipes_say_what_they_claim():
     assert (tiny.model.num_layers, tiny.moe["num_experts"], tiny.parallel.expert) == (4, 8, 2)
     ds = configs["deepseek_v3"].moe_config()
     assert (ds.num_experts, ds.topk, ds.num_groups, ds.groups_per_token) == (256, 8, 8, 4)
-    assert ds.balancing == "bias" and ds.shared_expert_ffn_size and ds.score_function == "sigmoid"
+    assert ds.uses_expert_bias and ds.balance_loss_coeffs == {"seq_aux_loss": 1e-4}
+    assert ds.shared_expert_ffn_size and ds.score_function == "sigmoid"
     assert configs["deepseek_v3"].model.first_k_dense == 3
     assert configs["upcycled_continue"].checkpoint.init_from
 

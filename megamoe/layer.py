@@ -89,13 +89,18 @@ class MoELayer(nn.Module):
         if shared_TD is not None:
             y_TD = y_TD + join_side_stream(shared_TD)
         if losses:
-            y_TD = MoEAuxLossAutoScaler.apply(y_TD, sum(self._weighted(losses).values()))
+            total = sum(self._weighted(losses).values()) * self.loss_scale(routing)
+            y_TD = MoEAuxLossAutoScaler.apply(y_TD, total)
         return y_TD.view(S, B, D), None
 
     def routed_experts(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Dispatch, run the local experts, combine."""
         rows_ND, tokens_per_expert, state = self.dispatcher.dispatch(x_TD, routing)
         return self.dispatcher.combine(self.experts(rows_ND, tokens_per_expert), state)
+
+    def loss_scale(self, routing: Routing) -> float | torch.Tensor:
+        """Factor on the weighted balance losses before they are attached (1 here)."""
+        return 1.0
 
     def start_counting(self) -> None:
         """Before a counted forward: if Megatron's finalize_model_grads consumed the routing

@@ -70,6 +70,14 @@ class MegatronMoELayer(MoELayer):
             self.router.load.reset()
         super().start_counting()
 
+    def loss_scale(self, routing: Routing):
+        """With `calculate_per_token_loss` Megatron divides every gradient by the step's token
+        count instead of averaging per micro-batch; like its router, scale the balance losses by
+        this rank's routed tokens so they keep their weight."""
+        if getattr(self.config, "calculate_per_token_loss", False):
+            return routing.selected_TE.any(-1).sum()
+        return 1.0
+
     def report(self, routing: Routing, losses: dict) -> None:
         """Balance losses and load metrics into Megatron-Core's MoE logging tracker."""
         num_layers = self.config.num_layers + (getattr(self.config, "mtp_num_layers", 0) or 0)

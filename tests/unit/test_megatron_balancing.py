@@ -113,6 +113,40 @@ def test_group_limited_bias_routing_matches_megatron(megatron):
     torch.testing.assert_close(routing.gates_TE, probs.detach(), rtol=1e-6, atol=1e-7)
 
 
+# Megatron's "position" policy is torch.topk over the 0/1 routing map (ties broken as the kernel
+# happens to), not "earliest first" as megamoe's; only "probs" has a defined common meaning.
+@pytest.mark.parametrize("policy", ["probs"])
+def test_capacity_drops_match_megatron(megatron, policy):
+    settings = dict(moe_router_load_balancing_type="none", moe_expert_capacity_factor=0.75,
+                    moe_token_drop_policy=policy)
+    _, theirs, ours = router_pair(settings)
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(6))
+    probs, routing_map = theirs(x)
+    from megamoe.routing import apply_capacity
+
+    routing = apply_capacity(ours.router(x.reshape(S * B, H)), 0.75, policy)
+    assert int(routing.routing_map_TE.sum()) < int(routing.selected_TE.sum())  # tokens dropped
+    assert torch.equal(routing.routing_map_TE, routing_map)
+    torch.testing.assert_close(routing.gates_TE, probs.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_per_token_loss_scaling_matches_megatron(megatron):
+    """--calculate-per-token-loss: the balance losses' gradient is scaled by the local tokens.
+    (Megatron scales its sequence-aux loss by the sequence length only, S instead of S * B
+    tokens; megamoe scales every loss by its tokens, so that case is not compared.)"""
+    settings = dict(COMBINATIONS["bias_aux"], moe_z_loss_coeff=1e-2, calculate_per_token_loss=True)
+    tc, theirs, _ = router_pair(settings)
+    ours = MegatronMoELayer(tc)
+    with torch.no_grad():
+        ours.router.weight.copy_(theirs.weight)
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(7))
+    probs, _ = theirs(x)
+    (probs * 0).sum().backward()
+    out, _ = ours(x)
+    (out * 0).sum().backward()
+    torch.testing.assert_close(ours.router.weight.grad, theirs.weight.grad, rtol=1e-5, atol=1e-8)
+
+
 def test_softmax_scores_with_bias_stay_available_in_megamoe_config():
     cfg = MoEConfig(hidden_size=H, num_experts=E, ffn_hidden_size=8, score_function="softmax",
                     balancing=["bias", "seq_aux_loss", "aux_loss"], aux_loss_coeff=[1e-4, 1e-3])

@@ -298,7 +298,6 @@ class MoEConfig:
             groups_per_token=tc.moe_router_group_topk,
             balancing=balancing,
             bias_update_rate=tc.moe_router_bias_update_rate,
-            aux_loss_coeff=coeffs,
             z_loss_coeff=tc.moe_z_loss_coeff or 0.0,
             capacity_factor=tc.moe_expert_capacity_factor,
             drop_policy=tc.moe_token_drop_policy,
@@ -310,6 +309,8 @@ class MoEConfig:
             input_jitter_eps=tc.moe_input_jitter_eps,
             init_method_std=tc.init_method_std,
         )
+        if coeffs:  # else MoEConfig's default weight, for losses the overrides turn on
+            values["aux_loss_coeff"] = coeffs[0] if len(coeffs) == 1 else coeffs
         values.update(overrides)
         unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
         if unknown:

@@ -67,6 +67,11 @@ def save_layer_statistics(losses: dict[str, torch.Tensor], selected_TE: torch.Te
     `token_group` by Megatron's reduction) and load metrics for Megatron's MoE logging."""
     if layer_number is None:
         return
+    tracker = get_moe_layer_wise_logging_tracker()
+    for name in [*(MEGATRON_NAMES[n] for n in losses), "moe_maxvio_batch", CLOCK_NAME]:
+        entry = tracker.get(name)
+        if entry is not None and entry["values"].numel() < num_layers:
+            del tracker[name]  # left by a model with fewer layers in this process
     for name, value in losses.items():
         save_to_aux_losses_tracker(MEGATRON_NAMES[name], value.detach().float(), layer_number,
                                    num_layers, reduce_group=token_group)

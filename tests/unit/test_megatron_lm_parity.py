@@ -75,7 +75,7 @@ def train_steps(model, steps, capture):
         loss.backward()
         finalize_model_grads([Chunk(model)])
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         maps.append(list(capture))
         get_moe_layer_wise_logging_tracker().clear()
     return losses, maps

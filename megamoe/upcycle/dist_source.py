@@ -17,7 +17,7 @@ from megamoe.errors import CheckpointError
 from megamoe.upcycle.dcp_reader import DCPReader
 from megamoe.upcycle.layout import LAYER_PREFIX, ObjectItem
 from megamoe.upcycle.source import DenseLayer, check_not_moe
-from megamoe.upcycle.torch_files import load_torch_file
+from megamoe.checkpointing.torch_files import load_torch_file
 
 SKIPPED_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine_state")
 STACKED = -1

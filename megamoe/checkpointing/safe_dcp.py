@@ -28,12 +28,16 @@ from typing import Any, Iterator
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from megamoe.checkpointing.torch_files import load_torch_bytes, load_torch_file, refused
 from megamoe.errors import CheckpointError, MegaMoEError
 
 COMMON_FILE = "common.pt"
+# What a failing DCP / Megatron load or save raises: DCP's per-rank CheckpointException is a
+# BaseException, not an Exception.
+FAILURES = (Exception, CheckpointException)
 METADATA_FILE = ".metadata"
 # What torch's FileSystemWriter and Megatron's FileSystemWriterAsync pickle into `.metadata`.
 _DCP_TYPES = {
@@ -177,10 +181,12 @@ def _restricted_megatron_readers() -> Iterator[None]:
 
 def load_dist_checkpoint(request: dict, directory: str | os.PathLike, **kwargs) -> Any:
     """Megatron's `dist_checkpointing.load(request, directory, **kwargs)`, every pickle
-    restricted. A refused type or corrupt file inside DCP's collective wrappers comes out as
-    the CheckpointError that caused it."""
+    restricted. `.metadata` is read (restricted) first: DCP's loader swallows a failing
+    `read_metadata` into an AssertionError. A refused type or corrupt file inside DCP's
+    collective wrappers comes out as the CheckpointError that caused it."""
     from megatron.core import dist_checkpointing
 
+    read_dcp_metadata(Path(directory) / METADATA_FILE)
     common_strategy = _safe_megatron_classes()[0]()
     try:
         with _restricted_megatron_readers():
@@ -188,7 +194,7 @@ def load_dist_checkpoint(request: dict, directory: str | os.PathLike, **kwargs) 
                                            common_strategy=common_strategy, **kwargs)
     except MegaMoEError:
         raise
-    except Exception as err:
+    except FAILURES as err:
         cause = _megamoe_cause(err)
         if cause is not None:
             raise cause from None

@@ -48,8 +48,8 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megamoe.checkpointing.manifest import has_manifest, verify_folder, write_manifest
 from megamoe.checkpointing.no_orphans import own_write_results_queue
-from megamoe.checkpointing.safe_dcp import (COMMON_FILE, METADATA_FILE, load_common_state,
-                                            load_dist_checkpoint)
+from megamoe.checkpointing.safe_dcp import (COMMON_FILE, FAILURES, METADATA_FILE,
+                                            load_common_state, load_dist_checkpoint)
 from megamoe.errors import CheckpointError, MegaMoEError
 from megamoe.train.config import TrainConfig
 from megamoe.train.megatron_lm_state import (check_megatron_lm_args, is_megatron_lm_checkpoint,
@@ -214,7 +214,7 @@ def save_checkpoint(ckpt_dir: str | Path, state: TrainState, model: torch.nn.Mod
         dist_checkpointing.save(sharded, str(tmp))
         dist.barrier()
         write_manifest(tmp)
-    except Exception as err:
+    except FAILURES as err:
         if _rank0():
             shutil.rmtree(tmp, ignore_errors=True)
         raise _save_error(err, tmp, ckpt_dir) from None
@@ -288,30 +288,41 @@ def _check_compatible(saved: dict, config: TrainConfig, path: Path) -> None:
 
 def _megamoe_state(common: dict, path: Path) -> tuple[TrainState, dict]:
     try:
-        return TrainState(**common["train_state"]), dict(common["layout"])
+        state, layout = TrainState(**common["train_state"]), dict(common["layout"])
+        if not all(isinstance(v, int) and v >= 0 for v in dataclasses.astuple(state)):
+            raise ValueError(state)
+        return state, layout
     except (KeyError, TypeError, ValueError):
         raise CheckpointError(f"{path / COMMON_FILE} lacks a valid train_state/layout; the "
                               "checkpoint is corrupt") from None
+
+
+def interpret_common_state(common: dict, config: TrainConfig, path: Path
+                           ) -> tuple[TrainState, Optional[dict]]:
+    """(position, saved layout) from a checkpoint's common state after checking it fits the
+    config; the layout is None for a Megatron-LM checkpoint (weights and position only)."""
+    if common.get("format_version") == FORMAT_VERSION:
+        _check_compatible(common.get("config"), config, path)
+        return _megamoe_state(common, path)
+    if not is_megatron_lm_checkpoint(common):
+        raise CheckpointError(f"{path} is neither a megamoe nor a Megatron-LM training "
+                              f"checkpoint (format {common.get('format_version')!r:.40}); use "
+                              "checkpoint.init_from for model weights from elsewhere")
+    check_megatron_lm_args(common, config, path)
+    return train_state_of(common), None
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, engine, config: TrainConfig) -> TrainState:
     """Restore model, optimizer, RNG states (same layout only) and the run's position from a
     megamoe checkpoint, or weights and position from a Megatron-LM checkpoint of this model."""
     require_verified(path)
-    common = load_common_state(path)
-    if common.get("format_version") != FORMAT_VERSION:
-        if not is_megatron_lm_checkpoint(common):
-            raise CheckpointError(f"{path} is neither a megamoe nor a Megatron-LM training "
-                                  f"checkpoint (format {common.get('format_version')!r}); use "
-                                  "checkpoint.init_from for model weights from elsewhere")
-        check_megatron_lm_args(common, config, path)
+    state, saved_layout = interpret_common_state(load_common_state(path), config, path)
+    if saved_layout is None:
         _load_weights(path, model, config)
         engine.model_weights_changed()
         _warn(f"{path} is a Megatron-LM checkpoint: resuming its weights and position, with a "
               "fresh optimizer and RNG state")
-        return train_state_of(common)
-    _check_compatible(common.get("config"), config, path)
-    state, saved_layout = _megamoe_state(common, path)
+        return state
     same_layout = saved_layout == _layout()
     model_sharded = _model_sharded(model, config)
     request = {"model": model_sharded,
@@ -331,7 +342,7 @@ def _load(request: dict, path: Path, strict: StrictHandling = StrictHandling.ASS
         return load_dist_checkpoint(request, path, strict=strict)
     except MegaMoEError:
         raise
-    except Exception as err:  # noqa: BLE001 - a checkpoint is user input: any failure is one line
+    except FAILURES as err:  # a checkpoint is user input: any failure to read it is one line
         raise CheckpointError(f"cannot load {path}: {type(err).__name__}: {_first_line(err)}; "
                               "the checkpoint is corrupt or of another model") from None
 

@@ -72,7 +72,7 @@ class ExecPayload(Payload):
 
 
 def pickled(obj) -> bytes:
-    return pickle.dumps(obj, protocol=2)
+    return pickle.dumps(obj, protocol=4)
 
 
 @pytest.fixture(scope="session")

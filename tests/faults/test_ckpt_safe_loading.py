@@ -45,12 +45,26 @@ def _all_entry_points(corpus_cache, out: Path, tmp_path: Path, marker: Path, *fr
     assert not marker.exists()
 
 
+def test_metadata_payload_never_runs(corpus_cache, trained_run, tmp_path):
+    marker = tmp_path / "pwned"
+    out = _planted_copy(trained_run, tmp_path, ".metadata", pickled(Payload(marker)))
+    _all_entry_points(corpus_cache, out, tmp_path, marker, "iter_0000003/.metadata",
+                      "posix.system")
+
+
 @pytest.mark.parametrize("payload, type_name", [(Payload, "posix.system"),
                                                 (ExecPayload, "builtins.exec")])
-def test_metadata_payload_never_runs(payload, type_name, corpus_cache, trained_run, tmp_path):
+def test_metadata_readers_refuse_payloads(payload, type_name, tmp_path):
+    """The same refusal in-process, for both DCP readers megamoe uses."""
+    from megamoe.checkpointing.safe_dcp import SafeFileSystemReader, read_dcp_metadata
+
     marker = tmp_path / "pwned"
-    out = _planted_copy(trained_run, tmp_path, ".metadata", pickled(payload(marker)))
-    _all_entry_points(corpus_cache, out, tmp_path, marker, "iter_0000003/.metadata", type_name)
+    (tmp_path / ".metadata").write_bytes(pickled(payload(marker)))
+    with pytest.raises(CheckpointError, match=type_name):
+        read_dcp_metadata(tmp_path / ".metadata")
+    with pytest.raises(CheckpointError, match=type_name):
+        SafeFileSystemReader(tmp_path).read_metadata()
+    assert not marker.exists()
 
 
 def test_common_pt_payload_never_runs(corpus_cache, trained_run, tmp_path):

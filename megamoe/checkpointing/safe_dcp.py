@@ -24,14 +24,15 @@ import io
 import os
 import pickle
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from megamoe.checkpointing.torch_files import load_torch_bytes, load_torch_file, refused
+from megamoe.checkpointing.torch_files import (first_line, load_torch_bytes, load_torch_file,
+                                              refused)
 from megamoe.errors import CheckpointError, MegaMoEError
 
 COMMON_FILE = "common.pt"
@@ -82,7 +83,7 @@ def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
     except MegaMoEError:
         raise
     except Exception as err:  # noqa: BLE001 - any failure of a corrupt pickle is one line
-        raise CheckpointError(f"{path} is corrupt ({type(err).__name__}: {_first_line(err)}); "
+        raise CheckpointError(f"{path} is corrupt ({type(err).__name__}: {first_line(err)}); "
                               "restore the checkpoint or use another one") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata; the "
@@ -203,15 +204,20 @@ def load_dist_checkpoint(request: dict, directory: str | os.PathLike, **kwargs) 
 
 def _megamoe_cause(err: BaseException):
     """The MegaMoEError inside DCP's CheckpointException (per-rank failures), if any."""
-    failures = getattr(err, "failures", None) or {}
-    for failure in failures.values():
-        inner = getattr(failure, "exc", failure)
-        if isinstance(inner, MegaMoEError):
-            return inner
-    context = err.__cause__ or err.__context__
-    return _megamoe_cause(context) if context is not None else None
+    return find_exception(err, MegaMoEError)
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0][:300] if text else type(err).__name__
+def find_exception(err: Optional[BaseException], kind: type, depth: int = 0):
+    """The first `kind` exception in `err`, its causes and contexts, or the per-rank failures
+    of DCP's CheckpointException (`failures`: rank -> (exception, traceback))."""
+    if err is None or depth > 8:
+        return None
+    if isinstance(err, kind):
+        return err
+    for failure in (getattr(err, "failures", None) or {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        found = find_exception(inner if isinstance(inner, BaseException) else None, kind,
+                               depth + 1)
+        if found is not None:
+            return found
+    return find_exception(err.__cause__ or err.__context__, kind, depth + 1)

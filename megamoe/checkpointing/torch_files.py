@@ -66,7 +66,7 @@ def _safe_load(source: str | os.PathLike | IO[bytes], where: str, mmap: bool = F
     except FileNotFoundError:
         raise CheckpointError(f"{where} does not exist; the checkpoint is incomplete") from None
     except _READ_ERRORS as err:
-        raise CheckpointError(f"{where} is not a readable torch file ({_first_line(err)}); the "
+        raise CheckpointError(f"{where} is not a readable torch file ({first_line(err)}); the "
                               "checkpoint is corrupt or was not written by torch.save") from None
     objects = {name: _allowed_object(name) for name in sorted(names)}
     for name, obj in objects.items():
@@ -82,7 +82,7 @@ def _safe_load(source: str | os.PathLike | IO[bytes], where: str, mmap: bool = F
         with torch.serialization.safe_globals(extra):
             return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except _READ_ERRORS as err:
-        raise CheckpointError(f"{where} could not be loaded ({_first_line(err)}); the checkpoint "
+        raise CheckpointError(f"{where} could not be loaded ({first_line(err)}); the checkpoint "
                               "is corrupt or incomplete") from None
 
 
@@ -101,6 +101,7 @@ def load_torch_bytes(data: bytes | io.BytesIO, where: str) -> Any:
     return _safe_load(buffer, where)
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (at most 300 characters), for one-line errors."""
     text = str(err).strip().splitlines()
     return text[0][:300] if text else type(err).__name__

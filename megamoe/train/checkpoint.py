@@ -49,7 +49,9 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megamoe.checkpointing.manifest import has_manifest, verify_folder, write_manifest
 from megamoe.checkpointing.no_orphans import own_write_results_queue
 from megamoe.checkpointing.safe_dcp import (COMMON_FILE, FAILURES, METADATA_FILE,
-                                            load_common_state, load_dist_checkpoint)
+                                            find_exception, load_common_state,
+                                            load_dist_checkpoint)
+from megamoe.checkpointing.torch_files import first_line
 from megamoe.errors import CheckpointError, MegaMoEError
 from megamoe.train.config import TrainConfig
 from megamoe.train.megatron_lm_state import (check_megatron_lm_args, is_megatron_lm_checkpoint,
@@ -229,7 +231,7 @@ def save_checkpoint(ckpt_dir: str | Path, state: TrainState, model: torch.nn.Mod
 
 def _save_error(err: BaseException, tmp: Path, ckpt_dir: Path) -> MegaMoEError:
     """One line for a failed save: the OS error (e.g. ENOSPC) inside Megatron's wrappers."""
-    cause = _find(err, OSError)
+    cause = find_exception(err, OSError)
     try:
         previous = latest_checkpoint(ckpt_dir)
     except CheckpointError:
@@ -242,20 +244,7 @@ def _save_error(err: BaseException, tmp: Path, ckpt_dir: Path) -> MegaMoEError:
                                f"errno {cause.errno}); {kept}; free space or set checkpoint.dir, "
                                "then run again to resume")
     return CheckpointError(f"cannot write checkpoint {tmp}: {type(err).__name__}: "
-                           f"{_first_line(err)}; {kept}")
-
-
-def _find(err: Optional[BaseException], kind: type, depth: int = 0):
-    """The first `kind` exception in err, its causes, or DCP's per-rank failures."""
-    if err is None or depth > 8:
-        return None
-    if isinstance(err, kind):
-        return err
-    for failure in (getattr(err, "failures", None) or {}).values():
-        found = _find(getattr(failure, "exc", failure), kind, depth + 1)
-        if found is not None:
-            return found
-    return _find(err.__cause__ or err.__context__, kind, depth + 1)
+                           f"{first_line(err)}; {kept}")
 
 
 def _prune(ckpt_dir: Path, keep_last: int, protected: Optional[Path]) -> None:
@@ -343,13 +332,9 @@ def _load(request: dict, path: Path, strict: StrictHandling = StrictHandling.ASS
     except MegaMoEError:
         raise
     except FAILURES as err:  # a checkpoint is user input: any failure to read it is one line
-        raise CheckpointError(f"cannot load {path}: {type(err).__name__}: {_first_line(err)}; "
+        raise CheckpointError(f"cannot load {path}: {type(err).__name__}: {first_line(err)}; "
                               "the checkpoint is corrupt or of another model") from None
 
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0][:300] if text else type(err).__name__
 
 
 def resolve_weights_dir(path: str | Path) -> Path:

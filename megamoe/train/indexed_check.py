@@ -32,6 +32,9 @@ _FIX = "rebuild it with tools/preprocess_data.py"
 def check_indexed_dataset(prefix: str, vocab_size: Optional[int] = None) -> None:
     """Raise a one-line DataError unless PREFIX.idx and PREFIX.bin are a consistent pair."""
     idx, bin_ = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    if not idx.is_file() or not bin_.is_file():
+        raise DataError(f"no indexed dataset at {prefix} ({prefix}.bin/.idx); build it with "
+                        "tools/preprocess_data.py")
     raw = idx.read_bytes()
     if len(raw) < HEADER_BYTES or raw[:9] != MAGIC:
         raise DataError(f"{idx} is not a Megatron index file (bad header); {_FIX}")
@@ -54,9 +57,8 @@ def check_indexed_dataset(prefix: str, vocab_size: Optional[int] = None) -> None
         raise DataError(f"{idx}: document boundaries are not 0..{sequences} in order (corrupt "
                         f"index); {_FIX}")
     size = int(lengths.sum()) * itemsize
-    if not bin_.is_file() or bin_.stat().st_size != size:
-        actual = bin_.stat().st_size if bin_.is_file() else "no"
-        raise DataError(f"{bin_} has {actual} bytes but {idx} describes {size}: the .bin and "
+    if bin_.stat().st_size != size:
+        raise DataError(f"{bin_} has {bin_.stat().st_size} bytes but {idx} describes {size}: the .bin and "
                         f".idx do not belong together; {_FIX}")
     if vocab_size is not None and size:
         tokens = np.memmap(bin_, dtype=DTYPES[code], mode="r")

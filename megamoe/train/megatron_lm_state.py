@@ -10,6 +10,7 @@ the sample count from `args.consumed_train_samples`, and requests RNG and optimi
 when `args.no_save_rng` / `args.no_save_optim` are false. megamoe's RNG and optimizer state are
 not in Megatron-LM's layout, so the args say they were not saved: Megatron-LM's
 `pretrain_gpt.py --load DIR --no-load-optim` continues from the model weights and the position.
+The model fields `load_args_from_checkpoint` (--use-checkpoint-args) copies are present too.
 """
 from __future__ import annotations
 
@@ -43,11 +44,18 @@ def megatron_lm_args(config: TrainConfig, state: TrainState, model: torch.nn.Mod
         max_position_embeddings=m.seq_length, seq_length=m.seq_length,
         add_position_embedding=m.position_embedding == "learned_absolute",
         position_embedding_type=m.position_embedding, rotary_base=m.rotary_base,
+        use_rotary_position_embeddings=m.position_embedding == "rope", rotary_percent=1.0,
         normalization=m.normalization, swiglu=m.swiglu, qk_layernorm=m.qk_layernorm,
+        add_bias_linear=False, add_qkv_bias=False, apply_query_key_layer_scaling=False,
+        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+        spec=["megamoe.megatron.specs", "decoder_block_spec"], moe_layer_freq=m.moe_layer_freq,
         untie_embeddings_and_output_weights=not m.share_embeddings,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         padded_vocab_size=getattr(model, "vocab_size", None),
         num_experts=moe.num_experts, moe_router_topk=moe.topk,
+        moe_router_score_function=moe.score_function,
+        moe_router_topk_scaling_factor=moe.topk_scaling_factor,
+        moe_shared_expert_intermediate_size=moe.shared_expert_ffn_size,
         moe_ffn_hidden_size=moe.ffn_hidden_size,
         tensor_model_parallel_size=layout["tensor"],
         pipeline_model_parallel_size=layout["pipeline"],

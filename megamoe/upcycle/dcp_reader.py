@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megamoe.checkpointing.torch_files import first_line
 from megamoe.checkpointing.safe_dcp import METADATA_FILE, SafeFileSystemReader, read_dcp_metadata
 from megamoe.errors import CheckpointError
 
@@ -97,11 +98,6 @@ class DCPReader:
         except FileNotFoundError as err:
             raise CheckpointError(f"{self.directory}: data file {Path(err.filename).name} of "
                                   f"{key} is missing; the checkpoint is incomplete") from None
-        except (RuntimeError, EOFError, KeyError, ValueError, OSError) as err:
-            raise CheckpointError(f"{self.directory}: cannot read {key} ({_first_line(err)}); "
+        except Exception as err:  # noqa: BLE001 - corrupt input fails in many ways: one line
+            raise CheckpointError(f"{self.directory}: cannot read {key} ({first_line(err)}); "
                                   "the checkpoint is corrupt") from None
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__

@@ -57,6 +57,7 @@ class DistSource:
                 raise CheckpointError(f"checkpoint {directory} is unusable: {problem}; restore "
                                       "it or upcycle another checkpoint")
         self.reader = DCPReader(directory)
+        self.args = _saved_args(directory)
         tensors = {key: md for key, md in self.reader.tensors().items()
                    if not key.startswith(SKIPPED_PREFIXES)}
         objects = [key for key in self.reader.objects() if not key.startswith(SKIPPED_PREFIXES)]
@@ -83,7 +84,6 @@ class DistSource:
         self.key_layout = ("stacked" if self._stacked else
                            "singleton" if any(s.endswith("_w") for s in self._suffixes())
                            else "per_layer")
-        self.args = _saved_args(directory)
         self.description = f"torch_dist ({self.key_layout}) at {directory}"
 
     def layer(self, index: int) -> DenseLayer:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
-from pathlib import Path
 
 from ckpt_fault_helpers import SMALL_RUN, TINY, corpus_cache, run, train, trained_run
 

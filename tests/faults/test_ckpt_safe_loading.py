@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_fault_helpers import (REPO, ExecPayload, Payload, SMALL_RUN, TINY, assert_one_line_error,
+from ckpt_fault_helpers import (ExecPayload, Payload, SMALL_RUN, TINY, assert_one_line_error,
                                 corpus_cache, pickled, run, train, trained_run, upcycle)
 
 from megamoe.checkpointing.manifest import write_manifest

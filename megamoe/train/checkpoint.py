@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -230,21 +231,21 @@ def save_checkpoint(ckpt_dir: str | Path, state: TrainState, model: torch.nn.Mod
 
 
 def _save_error(err: BaseException, tmp: Path, ckpt_dir: Path) -> MegaMoEError:
-    """One line for a failed save: the OS error (e.g. ENOSPC) inside Megatron's wrappers."""
-    cause = find_exception(err, OSError)
+    """One line for a failed save. Megatron-Core's writer processes report an OSError (e.g.
+    ENOSPC) as a RuntimeError carrying its text inside DCP's per-rank CheckpointException."""
+    cause = find_exception(err, OSError) or find_exception(err, Exception) or err
     try:
         previous = latest_checkpoint(ckpt_dir)
     except CheckpointError:
         previous = None
     kept = f"the previous checkpoint {previous} is intact" if previous else "nothing was saved"
-    if cause is not None:
-        what = ("the disk is full" if cause.errno == errno.ENOSPC else
-                f"{cause.strerror or cause}")
-        return CheckpointError(f"cannot write checkpoint {tmp}: {what} ({type(cause).__name__} "
-                               f"errno {cause.errno}); {kept}; free space or set checkpoint.dir, "
-                               "then run again to resume")
-    return CheckpointError(f"cannot write checkpoint {tmp}: {type(err).__name__}: "
-                           f"{first_line(err)}; {kept}")
+    text = first_line(cause)
+    if getattr(cause, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in text:
+        return CheckpointError(f"cannot write checkpoint {tmp}: the disk is full ({text}); "
+                               f"{kept}; free space or set checkpoint.dir, then run again to "
+                               "resume")
+    return CheckpointError(f"cannot write checkpoint {tmp}: {type(cause).__name__}: {text}; "
+                           f"{kept}; run again to resume from it")
 
 
 def _prune(ckpt_dir: Path, keep_last: int, protected: Optional[Path]) -> None:

@@ -57,8 +57,13 @@ _DCP_TYPES = {
 }
 
 
+# torch constants a TensorProperties may pickle by name (older torch pickles layouts directly).
+_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
+
+
 class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP `.metadata`: only `_DCP_TYPES` and torch dtypes; anything else raises."""
+    """Unpickles DCP `.metadata`: only `_DCP_TYPES` and torch dtypes, layouts and memory
+    formats; anything else raises."""
 
     def __init__(self, file, where: str):
         super().__init__(file)
@@ -67,7 +72,7 @@ class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _DCP_TYPES.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS):
             return getattr(torch, name)
         raise refused(self.where, f"{module}.{name}")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -75,12 +76,15 @@ def pickled(obj) -> bytes:
     return pickle.dumps(obj, protocol=4)
 
 
+# The fixtures below are imported by several modules, so each module gets its own instance;
+# they keep their products in the session's base temporary folder to build each only once.
+
 @pytest.fixture(scope="session")
 def corpus_cache(tmp_path_factory) -> Path:
     """The default corpus and its tokenizer, built once per session."""
     from megamoe.train.corpus import ensure_default_dataset
 
-    cache = tmp_path_factory.mktemp("megamoe-cache")
+    cache = tmp_path_factory.getbasetemp() / "ckpt-megamoe-cache"
     ensure_default_dataset(cache, progress=False)
     return cache
 
@@ -88,7 +92,11 @@ def corpus_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def trained_run(corpus_cache, tmp_path_factory) -> Path:
     """A finished SMALL_RUN: OUTPUT/checkpoints/iter_0000001..3 and the tracker (3)."""
-    out = tmp_path_factory.mktemp("trained")
-    done = train(corpus_cache, out)
-    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path_factory.getbasetemp() / "ckpt-trained"
+    finished = out.with_name(out.name + ".finished")
+    if not finished.exists():
+        shutil.rmtree(out, ignore_errors=True)
+        done = train(corpus_cache, out)
+        assert done.returncode == 0, done.stderr[-3000:]
+        finished.touch()
     return out

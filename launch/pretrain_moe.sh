@@ -22,9 +22,9 @@
 #
 # Pre-emption and time limit: 120 s before the limit Slurm sends SIGUSR1 to this script
 # (--signal=B:USR1@120; the B: matters, it lets this script know). The script forwards it to every
-# trainer, which saves a checkpoint, writes `latest` in its output_dir and exits; then the script
-# requeues the job. The requeued job keeps its id, appends to the same log and resumes from
-# `latest`, so output_dir must not change between runs (put it in the config or the arguments).
+# trainer, which saves a checkpoint, points `latest_checkpointed_iteration.txt` in its output_dir
+# at it and exits; then the script requeues the job. The requeued job keeps its id, appends to the
+# same log and resumes from that checkpoint, so output_dir must not change between runs (put it in the config or the arguments).
 #
 # NCCL / InfiniBand (GPU clusters): NCCL finds InfiniBand adapters by itself. Export these before
 # sbatch when it needs help:

@@ -16,7 +16,7 @@ import os
 import sys
 import warnings
 
-from megamoe.errors import ConfigError, run_cli
+from megamoe.errors import CheckpointError, ConfigError, run_cli
 from megamoe.train.config import load_config
 from megamoe.train.progress import iteration_of, latest_checkpoint
 
@@ -42,7 +42,12 @@ def _parser() -> argparse.ArgumentParser:
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     config = load_config(args.config, args.overrides)
-    latest = latest_checkpoint(config.checkpoint_dir)
+    try:
+        latest = latest_checkpoint(config.checkpoint_dir)
+    except CheckpointError:
+        if not config.checkpoint.resume_from_verified:
+            raise
+        latest = None  # the run picks the newest checkpoint that verifies
     if latest is not None and iteration_of(latest) >= config.training.train_steps:
         if os.environ.get("RANK", "0") == "0":
             print(f"{config.output_dir}: already trained {iteration_of(latest)} of "

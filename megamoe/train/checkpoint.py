@@ -1,18 +1,31 @@
-"""Checkpoints of a training run, as Megatron-Core distributed checkpoints (torch_dist).
+"""Checkpoints of a training run, as Megatron-Core distributed checkpoints (torch_dist), in
+Megatron-LM's save-directory convention.
 
 Layout under the checkpoint folder (`checkpoint.dir`, default OUTPUT_DIR/checkpoints):
 
-    iter_0000100/   one checkpoint: .metadata, *.distcp, common.pt, metadata.json
-    latest          the name of the newest complete checkpoint, e.g. `iter_0000100`
+    iter_0000100/                      one checkpoint: .metadata, *.distcp, common.pt,
+                                       metadata.json, megamoe_manifest.json (checksums)
+    latest_checkpointed_iteration.txt  the iteration of the newest complete checkpoint, `100`
 
-A checkpoint holds the model's sharded state dict (Megatron-Core's keys; megamoe experts keyed by
-global expert id, so any expert-parallel size loads them; the expert biases are buffers of the
-routers), the optimizer state keyed like the parameters, each rank's RNG states, the step count,
-the consumed samples (the data position), the learning-rate schedule and the whole config.
-Every rank writes into `.iter_N.tmp`; only when all have finished is it renamed to `iter_N` and
-`latest` rewritten (atomically), so a crash during a save leaves the previous checkpoint and
-`latest` intact. RNG states are restored only at the parallel layout they were saved with (at
-another layout each rank keeps its seeded state).
+A checkpoint holds the model's sharded state dict under `model` (Megatron-Core's keys; megamoe
+experts keyed by global expert id, so any expert-parallel size loads them; the expert biases are
+buffers of the routers), the optimizer state keyed like the parameters, each rank's RNG states,
+and as common state Megatron-LM's keys (`args`, `checkpoint_version`, `iteration`,
+`opt_param_scheduler`, ...: see megatron_lm_state) plus megamoe's (`train_state`, `config`,
+`layout`, `lr_schedule`, `format_version`). So Megatron-LM's `pretrain_gpt.py --load` with
+megamoe's spec continues it, and a Megatron-LM checkpoint of a megamoe model resumes here
+(weights and position; the optimizer starts fresh, since Megatron-LM's layout differs).
+
+Every rank writes into `.iter_N.tmp`; when all have finished, the files are checksummed into the
+manifest, the folder renamed to `iter_N` and the tracker rewritten (atomically), so a crash or a
+full disk during a save leaves the previous checkpoint and the tracker intact. Loading verifies
+every file against the manifest before any tensor is used (a checkpoint without one, from
+Megatron-LM or an older megamoe, loads with a warning), and every pickle is restricted to an
+allow-list (megamoe.checkpointing). Resuming never moves to another checkpoint on its own;
+`checkpoint.resume_from_verified=true` resumes from the newest one that verifies. `keep_last`
+pruning keeps the newest verified checkpoint from before the run started. RNG states are
+restored only at the parallel layout they were saved with (at another layout each rank keeps its
+seeded state).
 
 `init_from` loads only model weights, e.g. from tools/upcycle_ckpt.py (a Megatron-LM style root
 with `latest_checkpointed_iteration.txt`) or a torch_dist folder.
@@ -20,30 +33,54 @@ with `latest_checkpointed_iteration.txt`) or a torch_dist folder.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
 import shutil
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-from megamoe.atomic import atomic_write_text
-from megamoe.errors import CheckpointError
+from megamoe.checkpointing.manifest import has_manifest, verify_folder, write_manifest
+from megamoe.checkpointing.no_orphans import own_write_results_queue
+from megamoe.checkpointing.safe_dcp import (COMMON_FILE, FAILURES, METADATA_FILE,
+                                            find_exception, load_common_state,
+                                            load_dist_checkpoint)
+from megamoe.checkpointing.torch_files import first_line
+from megamoe.errors import CheckpointError, MegaMoEError
 from megamoe.train.config import TrainConfig
+from megamoe.train.megatron_lm_state import (check_megatron_lm_args, is_megatron_lm_checkpoint,
+                                             megatron_lm_common, train_state_of)
 from megamoe.train.model import sharded_state_metadata
-from megamoe.train.progress import LATEST, TrainState, checkpoint_name, latest_checkpoint
+from megamoe.train.progress import (TRACKER, TrainState, checkpoint_name, latest_checkpoint,
+                                    saved_checkpoints, write_tracker)
 from megamoe.train.schedule import LRSchedule
 
 FORMAT_VERSION = 1
-MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"
+DCP_FILES = ("metadata.json", METADATA_FILE, COMMON_FILE)
 # Keys a model may ask for that an external checkpoint may lack: Megatron's empty linear-layer
 # extra state, and expert biases (zeros are the right start for loss-free balancing).
 _OPTIONAL_KEY_ENDINGS = ("_extra_state", "expert_bias")
+# The newest checkpoint that verified before this process saved anything, per checkpoint folder
+# (the one `keep_last` never prunes); filled by `resume_checkpoint` or the first save.
+_PRE_RUN_VERIFIED: dict[Path, Optional[Path]] = {}
+# Folders this process has verified (or warned about), so resuming reads each file once.
+_CHECKED: set[Path] = set()
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _warn(message: str) -> None:
+    if _rank0():
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def _layout() -> dict:
@@ -77,58 +114,161 @@ def _model_sharded(model: torch.nn.Module, config: TrainConfig) -> dict:
     return model.sharded_state_dict(metadata=sharded_state_metadata(config))
 
 
+# ---- verification ---------------------------------------------------------------------------
+
+def checkpoint_problem(folder: Path) -> Optional[str]:
+    """None if `folder` is a complete torch_dist checkpoint whose files match its manifest (or
+    has no manifest, see `require_verified`), else one line naming the first bad file."""
+    if not folder.is_dir():
+        return f"{folder} does not exist"
+    for name in DCP_FILES:
+        if not (folder / name).is_file():
+            return f"{folder / name} is missing"
+    return verify_folder(folder) if has_manifest(folder) else None
+
+
+def newest_verified(ckpt_dir: Path, skip: Optional[Path] = None) -> Optional[Path]:
+    """The newest checkpoint in `ckpt_dir` with a manifest that verifies (other than `skip`)."""
+    for folder in reversed(saved_checkpoints(ckpt_dir)):
+        if folder != skip and has_manifest(folder) and checkpoint_problem(folder) is None:
+            return folder
+    return None
+
+
+def require_verified(folder: Path, ckpt_dir: Optional[Path] = None) -> None:
+    """Raise a one-line CheckpointError unless `folder` verifies; warn once if it has no
+    manifest. The error names the newest checkpoint in `ckpt_dir` that does verify."""
+    if folder in _CHECKED:
+        return
+    problem = checkpoint_problem(folder)
+    if problem is not None:
+        fallback = newest_verified(ckpt_dir, skip=folder) if ckpt_dir is not None else None
+        hint = (f"the newest checkpoint that verifies is {fallback} (set "
+                "checkpoint.resume_from_verified=true to resume from it)" if fallback else
+                "no other checkpoint there verifies" if ckpt_dir is not None else
+                "restore the checkpoint or use another one")
+        raise CheckpointError(f"checkpoint {folder} is unusable: {problem}; {hint}")
+    if not has_manifest(folder):
+        _warn(f"{folder} has no megamoe_manifest.json (made by Megatron-LM or an older "
+              "megamoe); its files cannot be verified before loading")
+    _CHECKED.add(folder)
+
+
+def resume_checkpoint(config: TrainConfig) -> Optional[Path]:
+    """The verified checkpoint this run resumes from (the tracker's), or None for a new run.
+
+    A tracker naming nothing, or a checkpoint that does not verify, is an error naming the
+    newest checkpoint that does; with `checkpoint.resume_from_verified` that one is used.
+    """
+    ckpt_dir = config.checkpoint_dir
+    try:
+        latest = latest_checkpoint(ckpt_dir)
+        if latest is not None:
+            require_verified(latest, ckpt_dir)
+    except CheckpointError as err:
+        fallback = newest_verified(ckpt_dir) if config.checkpoint.resume_from_verified else None
+        if fallback is None:
+            raise
+        _warn(f"{err}; resuming from {fallback} (checkpoint.resume_from_verified=true)")
+        latest = fallback
+    if ckpt_dir not in _PRE_RUN_VERIFIED:
+        _PRE_RUN_VERIFIED[ckpt_dir] = (latest if latest is not None and has_manifest(latest)
+                                       else newest_verified(ckpt_dir))
+    return latest
+
+
+# ---- saving ---------------------------------------------------------------------------------
+
 def save_checkpoint(ckpt_dir: str | Path, state: TrainState, model: torch.nn.Module, engine,
                     config: TrainConfig) -> Path:
     """Save the run at `state` (on every rank); returns the checkpoint folder.
 
-    Saving a step that already has a checkpoint does nothing.
+    Saving a step that already has a checkpoint does nothing. A failed write (e.g. a full disk)
+    removes the partial folder and raises a one-line CheckpointError; the previous checkpoint
+    and the tracker stay as they were.
     """
     ckpt_dir = Path(ckpt_dir)
+    if ckpt_dir not in _PRE_RUN_VERIFIED:
+        _PRE_RUN_VERIFIED[ckpt_dir] = newest_verified(ckpt_dir)
     name = checkpoint_name(state.iteration)
     final, tmp = ckpt_dir / name, ckpt_dir / f".{name}.tmp"
     if final.is_dir():
         return final
-    if dist.get_rank() == 0:
+    own_write_results_queue()
+    if _rank0():
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
+    layout = _layout()
+    schedule = LRSchedule.from_config(config.optimizer, config.training.train_steps)
     model_sharded = _model_sharded(model, config)
     sharded = {
         "model": model_sharded,
         "optimizer": engine.optimizer_sharded_state_dict(model_sharded, is_loading=False),
         "rng_state": _rng_object(_rng_state()),
+        **megatron_lm_common(config, state, model, layout, schedule),
         "train_state": dataclasses.asdict(state),
-        "lr_schedule": dataclasses.asdict(LRSchedule.from_config(config.optimizer,
-                                                                 config.training.train_steps)),
+        "lr_schedule": dataclasses.asdict(schedule),
         "config": config.to_dict(),
-        "layout": _layout(),
+        "layout": layout,
         "format_version": FORMAT_VERSION,
     }
-    dist_checkpointing.save(sharded, str(tmp))
+    try:
+        dist_checkpointing.save(sharded, str(tmp))
+        dist.barrier()
+        write_manifest(tmp)
+    except FAILURES as err:
+        if _rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_error(err, tmp, ckpt_dir) from None
     dist.barrier()
-    if dist.get_rank() == 0:
+    if _rank0():
         tmp.rename(final)
-        atomic_write_text(ckpt_dir / LATEST, name + "\n")
-        _prune(ckpt_dir, config.checkpoint.keep_last)
+        write_tracker(ckpt_dir, state.iteration)
+        _prune(ckpt_dir, config.checkpoint.keep_last, _PRE_RUN_VERIFIED.get(ckpt_dir))
     dist.barrier()
     return final
 
 
-def _prune(ckpt_dir: Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` checkpoints (0 keeps all)."""
+def _save_error(err: BaseException, tmp: Path, ckpt_dir: Path) -> MegaMoEError:
+    """One line for a failed save. Megatron-Core's writer processes report an OSError (e.g.
+    ENOSPC) as a RuntimeError carrying its text inside DCP's per-rank CheckpointException."""
+    cause = find_exception(err, OSError) or find_exception(err, Exception) or err
+    try:
+        previous = latest_checkpoint(ckpt_dir)
+    except CheckpointError:
+        previous = None
+    kept = f"the previous checkpoint {previous} is intact" if previous else "nothing was saved"
+    text = first_line(cause)
+    if getattr(cause, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in text:
+        return CheckpointError(f"cannot write checkpoint {tmp}: the disk is full ({text}); "
+                               f"{kept}; free space or set checkpoint.dir, then run again to "
+                               "resume")
+    return CheckpointError(f"cannot write checkpoint {tmp}: {type(cause).__name__}: {text}; "
+                           f"{kept}; run again to resume from it")
+
+
+def _prune(ckpt_dir: Path, keep_last: int, protected: Optional[Path]) -> None:
+    """Delete all but the newest `keep_last` checkpoints (0 keeps all) and `protected`."""
     if keep_last <= 0:
         return
-    saved = sorted(p for p in ckpt_dir.glob("iter_*") if p.is_dir())
-    for old in saved[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    for old in saved_checkpoints(ckpt_dir)[:-keep_last]:
+        if old != protected:
+            shutil.rmtree(old, ignore_errors=True)
 
+
+# ---- loading --------------------------------------------------------------------------------
 
 def _check_compatible(saved: dict, config: TrainConfig, path: Path) -> None:
     """The model architecture must match; parallel sizes, data and schedule may change."""
     current = config.to_dict()
     for section in ("model", "moe"):
-        for key in sorted(set(saved[section]) | set(current[section])):
-            old, new = saved[section].get(key), current[section].get(key)
+        saved_section = saved.get(section) if isinstance(saved, dict) else None
+        if not isinstance(saved_section, dict):
+            raise CheckpointError(f"{path / COMMON_FILE} has no {section} settings; the "
+                                  "checkpoint is corrupt")
+        for key in sorted(set(saved_section) | set(current[section])):
+            old, new = saved_section.get(key), current[section].get(key)
             if old != new:
                 raise CheckpointError(
                     f"checkpoint {path} was trained with {section}.{key}={old!r} but the config "
@@ -136,18 +276,44 @@ def _check_compatible(saved: dict, config: TrainConfig, path: Path) -> None:
                 )
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, engine, config: TrainConfig) -> TrainState:
-    """Restore model, optimizer, RNG states (same layout only) and the run's position."""
+def _megamoe_state(common: dict, path: Path) -> tuple[TrainState, dict]:
     try:
-        common = dist_checkpointing.load_common_state_dict(str(path))
-    except (OSError, CheckpointingException, RuntimeError) as err:
-        raise CheckpointError(f"cannot read checkpoint {path}: {_first_line(err)}") from None
-    if common.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path} is not a megamoe training checkpoint (format "
-                              f"{common.get('format_version')!r}); use checkpoint.init_from for "
-                              "model weights from elsewhere")
-    _check_compatible(common["config"], config, path)
-    same_layout = common["layout"] == _layout()
+        state, layout = TrainState(**common["train_state"]), dict(common["layout"])
+        if not all(isinstance(v, int) and v >= 0 for v in dataclasses.astuple(state)):
+            raise ValueError(state)
+        return state, layout
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{path / COMMON_FILE} lacks a valid train_state/layout; the "
+                              "checkpoint is corrupt") from None
+
+
+def interpret_common_state(common: dict, config: TrainConfig, path: Path
+                           ) -> tuple[TrainState, Optional[dict]]:
+    """(position, saved layout) from a checkpoint's common state after checking it fits the
+    config; the layout is None for a Megatron-LM checkpoint (weights and position only)."""
+    if common.get("format_version") == FORMAT_VERSION:
+        _check_compatible(common.get("config"), config, path)
+        return _megamoe_state(common, path)
+    if not is_megatron_lm_checkpoint(common):
+        raise CheckpointError(f"{path} is neither a megamoe nor a Megatron-LM training "
+                              f"checkpoint (format {common.get('format_version')!r:.40}); use "
+                              "checkpoint.init_from for model weights from elsewhere")
+    check_megatron_lm_args(common, config, path)
+    return train_state_of(common), None
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, engine, config: TrainConfig) -> TrainState:
+    """Restore model, optimizer, RNG states (same layout only) and the run's position from a
+    megamoe checkpoint, or weights and position from a Megatron-LM checkpoint of this model."""
+    require_verified(path)
+    state, saved_layout = interpret_common_state(load_common_state(path), config, path)
+    if saved_layout is None:
+        _load_weights(path, model, config)
+        engine.model_weights_changed()
+        _warn(f"{path} is a Megatron-LM checkpoint: resuming its weights and position, with a "
+              "fresh optimizer and RNG state")
+        return state
+    same_layout = saved_layout == _layout()
     model_sharded = _model_sharded(model, config)
     request = {"model": model_sharded,
                "optimizer": engine.optimizer_sharded_state_dict(model_sharded, is_loading=True)}
@@ -158,41 +324,37 @@ def load_checkpoint(path: Path, model: torch.nn.Module, engine, config: TrainCon
     engine.load_optimizer_state_dict(loaded["optimizer"])
     if same_layout:
         _set_rng_state(loaded["rng_state"])
-    return TrainState(**common["train_state"])
+    return state
 
 
 def _load(request: dict, path: Path, strict: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED):
     try:
-        return dist_checkpointing.load(request, str(path), strict=strict)
-    except CheckpointingException as err:
-        raise CheckpointError(f"cannot load {path}: {_first_line(err)}") from None
+        return load_dist_checkpoint(request, path, strict=strict)
+    except MegaMoEError:
+        raise
+    except FAILURES as err:  # a checkpoint is user input: any failure to read it is one line
+        raise CheckpointError(f"cannot load {path}: {type(err).__name__}: {first_line(err)}; "
+                              "the checkpoint is corrupt or of another model") from None
 
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0][:300] if text else type(err).__name__
 
 
 def resolve_weights_dir(path: str | Path) -> Path:
     """The torch_dist folder of `path`: a Megatron-LM root (`latest_checkpointed_iteration.txt`,
-    as tools/upcycle_ckpt.py writes), a megamoe checkpoint folder (`latest`), or the folder."""
+    as tools/upcycle_ckpt.py writes; `release` allowed), a megamoe checkpoint folder, or the
+    folder itself."""
     path = Path(path).expanduser()
-    tracker = path / MEGATRON_LM_TRACKER
-    if tracker.is_file():
-        text = tracker.read_text().strip()
-        path = path / ("release" if text == "release" else f"iter_{int(text):07d}")
-    elif (path / LATEST).is_file():
-        path = latest_checkpoint(path)
+    tracker = path / TRACKER
+    if tracker.is_file() and tracker.read_bytes().strip() == b"release":
+        path = path / "release"
+    else:
+        path = latest_checkpoint(path) or path
     if not (path / "metadata.json").is_file():
         raise CheckpointError(f"no torch_dist checkpoint at {path} (metadata.json missing); pass "
-                              f"a checkpoint folder or a root with {MEGATRON_LM_TRACKER}")
+                              f"a checkpoint folder or a root with {TRACKER}")
     return path
 
 
-def load_model_weights(path: str | Path, model: torch.nn.Module, config: TrainConfig) -> Path:
-    """Initialise `model` from the model weights of the checkpoint at `path` (see
-    `resolve_weights_dir`); keys it lacks may only be extra state and expert biases."""
-    folder = resolve_weights_dir(path)
+def _load_weights(folder: Path, model: torch.nn.Module, config: TrainConfig) -> None:
     loaded, _, absent = _load({"model": _model_sharded(model, config)}, folder,
                               strict=StrictHandling.RETURN_ALL)
     required = sorted(k for k in absent if not k.endswith(_OPTIONAL_KEY_ENDINGS))
@@ -206,4 +368,14 @@ def load_model_weights(path: str | Path, model: torch.nn.Module, config: TrainCo
     if required:
         raise CheckpointError(f"{folder} did not provide {required[:3]}; make the config's model "
                               "and moe sections match the checkpoint")
+
+
+def load_model_weights(path: str | Path, model: torch.nn.Module, config: TrainConfig) -> Path:
+    """Initialise `model` from the model weights of the checkpoint at `path` (see
+    `resolve_weights_dir`), verified first; keys it lacks may only be extra state and expert
+    biases."""
+    folder = resolve_weights_dir(path)
+    require_verified(folder)
+    load_common_state(folder)
+    _load_weights(folder, model, config)
     return folder

@@ -15,7 +15,7 @@ building the MoEConfig.
     data:       {prefixes, weights, tokenizer_model, cache_dir, split, ...}
     training:   {train_steps, micro_batch_size, global_batch_size, seed, precision, ...}
     optimizer:  {lr, min_lr, warmup_steps, decay_style, weight_decay, ...}
-    checkpoint: {interval, dir, init_from, keep_last}
+    checkpoint: {interval, dir, init_from, keep_last, resume_from_verified}
     logging:    {interval, tensorboard, wandb, ...}
 """
 from __future__ import annotations
@@ -178,12 +178,17 @@ class CheckpointConfig:
     interval: int = 0
     """Save every this many steps (0: only at the end and on SIGTERM/SIGUSR1)."""
     dir: Optional[str] = None
-    """Checkpoint folder (None: OUTPUT_DIR/checkpoints). A run resumes from its `latest`."""
+    """Checkpoint folder (None: OUTPUT_DIR/checkpoints). A run resumes from the checkpoint its
+    `latest_checkpointed_iteration.txt` names."""
     init_from: Optional[str] = None
     """Start a new run from these model weights (e.g. tools/upcycle_ckpt.py output); ignored
     when the run resumes from its own checkpoint."""
     keep_last: int = 2
-    """Keep this many newest checkpoints (0: keep all)."""
+    """Keep this many newest checkpoints (0: keep all); the newest checkpoint that verified
+    before the run started is kept as well."""
+    resume_from_verified: bool = False
+    """When the tracker's checkpoint is missing or fails its checksums, resume from the newest
+    checkpoint that verifies instead of stopping with an error."""
 
 
 @dataclass

@@ -34,6 +34,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from torch.utils.data import DataLoader, Dataset
 
 from megamoe.errors import ConfigError, DataError, MegaMoEError
+from megamoe.train.indexed_check import check_indexed_dataset
 from megamoe.train.tokenizer import SentencePieceTokenizer
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -73,6 +74,7 @@ def _check_blend(
     split: str,
     split_matrix: list,
     num_samples: Sequence[Optional[int]],
+    vocab_size: Optional[int] = None,
 ) -> None:
     if not prefixes:
         raise ConfigError("no data prefix given; pass the PREFIX of PREFIX.bin/PREFIX.idx")
@@ -91,6 +93,7 @@ def _check_blend(
                 f"no indexed dataset at {prefix} ({prefix}.bin/.idx); build it with "
                 "tools/preprocess_data.py"
             )
+        check_indexed_dataset(prefix, vocab_size)
         indexed = IndexedDataset(prefix)  # keep it alive: its lengths view its memory map
         lengths = indexed.sequence_lengths
         for name, bounds in zip(SPLIT_NAMES, split_matrix):
@@ -132,7 +135,7 @@ def build_gpt_datasets(
         )
     prefixes = [str(p) for p in prefixes]
     split_matrix = convert_split_vector_to_split_matrix(_split_vector(split))
-    _check_blend(prefixes, weights, split, split_matrix, num_samples)
+    _check_blend(prefixes, weights, split, split_matrix, num_samples, tokenizer.vocab_size)
     # megatron wants a size for every split of a weighted blend, even for splits it skips
     sizes = [0 if bounds is None else n for bounds, n in zip(split_matrix, num_samples)]
     config = GPTDatasetConfig(

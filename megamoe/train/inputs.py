@@ -11,6 +11,7 @@ import torch.distributed as dist
 from megamoe.train.config import TrainConfig
 from megamoe.train.corpus import ensure_default_dataset
 from megamoe.train.data import Batch, build_gpt_datasets, iterate_batches
+from megamoe.train.indexed_check import check_indexed_dataset
 from megamoe.train.tokenizer import SentencePieceTokenizer
 
 
@@ -19,8 +20,12 @@ def data_sources(config: TrainConfig) -> tuple[list[str], str]:
     global rank 0 first (the others then find it, or build their own on a node-local cache)."""
     data = config.data
     if data.prefixes:
-        return [str(Path(p).expanduser()) for p in data.prefixes], \
-            str(Path(data.tokenizer_model).expanduser())
+        prefixes = [str(Path(p).expanduser()) for p in data.prefixes]
+        model = str(Path(data.tokenizer_model).expanduser())
+        vocab_size = SentencePieceTokenizer(model).vocab_size
+        for prefix in prefixes:  # before the run writes anything
+            check_indexed_dataset(prefix, vocab_size)
+        return prefixes, model
     cache = Path(data.cache_dir).expanduser()
     if dist.get_rank() == 0:
         prefix, model = ensure_default_dataset(cache, data.vocab_size)

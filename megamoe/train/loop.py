@@ -29,12 +29,13 @@ from megamoe.balancing import step_balancing
 from megamoe.errors import ConfigError
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 from megamoe.parallel.comm import TorchComm
-from megamoe.train.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
+from megamoe.train.checkpoint import (load_checkpoint, load_model_weights, resume_checkpoint,
+                                      save_checkpoint)
 from megamoe.train.config import TrainConfig, dump_config
 from megamoe.train.inputs import data_sources, training_batches
 from megamoe.train.metrics import MetricsLogger
 from megamoe.train.model import build_model, transformer_config
-from megamoe.train.progress import TrainState, latest_checkpoint
+from megamoe.train.progress import TrainState
 from megamoe.train.schedule import LRSchedule, set_learning_rate
 from megamoe.train.signals import StopRequest
 from megamoe.train.tokenizer import SentencePieceTokenizer
@@ -128,7 +129,7 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
         engine = CpuEngine(model, config, pgs)
 
     state, origin = TrainState(), "a fresh initialisation"
-    resume_from = latest_checkpoint(config.checkpoint_dir)
+    resume_from = resume_checkpoint(config)
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, engine, config)
         origin = (f"{resume_from} (step {state.iteration}, {state.consumed_samples} samples "

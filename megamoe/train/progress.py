@@ -1,18 +1,26 @@
-"""Where a run stands: its step count and data position, and the `latest` checkpoint marker.
+"""Where a run stands: its step count and data position, and the checkpoint tracker file.
 
-Kept free of torch and Megatron imports, so the entry point can tell in a moment whether a
-(requeued) run has already finished.
+The checkpoint folder follows Megatron-LM's save-directory convention
+(`megatron/training/checkpointing.py`: `get_checkpoint_tracker_filename`, `get_checkpoint_name`,
+`read_metadata`): `latest_checkpointed_iteration.txt` holds the iteration of the newest complete
+checkpoint, which is the folder `iter_<iteration:07d>`. Folders of older megamoe runs, with a
+`latest` file naming the folder, are still read. Kept free of torch and Megatron imports, so the
+entry point can tell in a moment whether a (requeued) run has already finished.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from megamoe.atomic import atomic_write_text
 from megamoe.errors import CheckpointError
 
-LATEST = "latest"
+TRACKER = "latest_checkpointed_iteration.txt"
+LEGACY_LATEST = "latest"
+_NAME = re.compile(r"iter_(\d{7})")
 
 
 @dataclass
@@ -24,21 +32,55 @@ class TrainState:
 
 
 def checkpoint_name(iteration: int) -> str:
-    """The folder name of the checkpoint after `iteration` steps."""
+    """The folder name of the checkpoint after `iteration` steps (Megatron-LM's `iter_%07d`)."""
     return f"iter_{iteration:07d}"
 
 
+def _tracked_name(ckpt_dir: Path) -> Optional[tuple[Path, str]]:
+    tracker = ckpt_dir / TRACKER
+    if tracker.is_file():
+        text = tracker.read_bytes().decode("utf-8", "replace").strip()
+        if not text.isdigit() or not text.isascii():
+            raise CheckpointError(f"{tracker} holds {text[:40]!r}, not an iteration number; "
+                                  f"write the iteration of a folder in {ckpt_dir} into it or "
+                                  "delete it")
+        return tracker, checkpoint_name(int(text))
+    legacy = ckpt_dir / LEGACY_LATEST
+    if legacy.is_file():
+        return legacy, legacy.read_bytes().decode("utf-8", "replace").strip()
+    return None
+
+
 def latest_checkpoint(ckpt_dir: str | Path) -> Optional[Path]:
-    """The checkpoint folder `latest` names in `ckpt_dir`, or None when there is none yet."""
-    marker = Path(ckpt_dir) / LATEST
-    if not marker.is_file():
+    """The checkpoint folder the tracker names in `ckpt_dir`, or None when there is none yet."""
+    ckpt_dir = Path(ckpt_dir)
+    tracked = _tracked_name(ckpt_dir)
+    if tracked is None:
         return None
-    name = marker.read_text().strip()
-    path = marker.parent / name
-    if not re.fullmatch(r"iter_\d{7}", name) or not path.is_dir():
-        raise CheckpointError(f"{marker} names {name!r}, which is not a checkpoint folder in "
-                              f"{marker.parent}; restore the folder or delete {marker}")
+    marker, name = tracked
+    path = ckpt_dir / name
+    if not _NAME.fullmatch(name) or not path.is_dir():
+        raise CheckpointError(f"{marker} names {name[:40]!r}, which is not a checkpoint folder "
+                              f"in {ckpt_dir}; restore the folder, or set "
+                              "checkpoint.resume_from_verified=true to resume from the newest "
+                              "checkpoint that verifies")
     return path
+
+
+def saved_checkpoints(ckpt_dir: str | Path) -> list[Path]:
+    """Every `iter_NNNNNNN` folder in `ckpt_dir`, oldest first."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(p for p in ckpt_dir.iterdir() if _NAME.fullmatch(p.name) and p.is_dir())
+
+
+def write_tracker(ckpt_dir: str | Path, iteration: int) -> None:
+    """Point the tracker at `iter_<iteration>` (atomically); drop an older run's `latest`."""
+    ckpt_dir = Path(ckpt_dir)
+    atomic_write_text(ckpt_dir / TRACKER, f"{iteration}\n")
+    with contextlib.suppress(FileNotFoundError):
+        (ckpt_dir / LEGACY_LATEST).unlink()
 
 
 def iteration_of(checkpoint: Path) -> int:

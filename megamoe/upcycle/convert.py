@@ -2,7 +2,8 @@
 
 Output, in Megatron-LM's layout so `--load OUT` finds it: `OUT/latest_checkpointed_iteration.txt`
 ("release": the iteration counter restarts and no optimizer state is expected),
-`OUT/release/` (the torch_dist checkpoint), `OUT/upcycle_recipe.json` (the recipe, also stored
+`OUT/release/` (the torch_dist checkpoint, with megamoe's checksum manifest),
+`OUT/upcycle_recipe.json` (the recipe, also stored
 in the checkpoint's common state under `upcycle_recipe`) and `OUT/upcycle_metrics.jsonl` (one
 line per written part: seconds, bytes, MB/s). Everything is written to a temporary directory
 that is renamed to OUT only when the conversion (and `verify`, if asked) succeeded.
@@ -22,6 +23,7 @@ from typing import Callable, Optional
 from tqdm import tqdm
 
 from megamoe.atomic import atomic_directory
+from megamoe.checkpointing.manifest import write_manifest
 from megamoe.errors import CheckpointError, ConfigError
 from megamoe.upcycle.dcp_writer import StreamingCheckpointWriter
 from megamoe.upcycle.granular import MLPWeights
@@ -109,6 +111,7 @@ def upcycle_checkpoint(load, save, recipe: UpcycleRecipe, overwrite: bool = Fals
         if source.args is not None:
             common["args"] = _moe_args(source.args, record["megatron_settings"])
         writer.finish(common)
+        write_manifest(checkpoint_dir)
         (tmp / TRACKER).write_text(CHECKPOINT_SUBDIR)
         (tmp / RECIPE_FILE).write_text(json.dumps(record, indent=2) + "\n")
         (tmp / METRICS_FILE).write_text("".join(json.dumps(m) + "\n" for m in metrics))

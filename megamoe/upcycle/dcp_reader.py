@@ -4,22 +4,23 @@
 of a stacked `[L, ...]` tensor at a time. This reader asks DCP's own `FileSystemReader` for the
 saved chunks overlapping the requested region (DCP's resharding logic) and copies them into a
 tensor of just that region, so memory holds one slice (plus the saved chunk being copied).
+`.metadata` and sharded objects are unpickled only through megamoe.checkpointing's allow-lists.
 """
 from __future__ import annotations
 
 import io
 import os
-import pickle
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
                                                    MetadataIndex, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megamoe.checkpointing.torch_files import first_line
+from megamoe.checkpointing.safe_dcp import METADATA_FILE, SafeFileSystemReader, read_dcp_metadata
 from megamoe.errors import CheckpointError
 
 
@@ -50,15 +51,8 @@ class DCPReader:
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
-        self._reader = FileSystemReader(self.directory)
-        try:
-            self.metadata = self._reader.read_metadata()
-        except FileNotFoundError:
-            raise CheckpointError(f"{self.directory} has no .metadata file; the torch_dist "
-                                  "checkpoint is incomplete") from None
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as err:
-            raise CheckpointError(f"{self.directory}/.metadata is corrupt ({err}); re-save the "
-                                  "checkpoint") from None
+        self._reader = SafeFileSystemReader(self.directory)
+        self.metadata = read_dcp_metadata(self.directory / METADATA_FILE)
         self._reader.set_up_storage_reader(self.metadata, is_coordinator=True)
 
     def tensors(self) -> dict[str, TensorStorageMetadata]:
@@ -87,7 +81,7 @@ class DCPReader:
         return target.tensor
 
     def read_object(self, key: str) -> bytes:
-        """The serialized bytes of sharded object `key`."""
+        """The serialized bytes of sharded object `key` (checked to load weights_only)."""
         target = _Target()
         zero = torch.Size([0])
         item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(key),
@@ -99,14 +93,11 @@ class DCPReader:
     def _run(self, items: list[ReadItem], target: _Target, key: str) -> None:
         try:
             self._reader.read_data(LoadPlan(items), target).wait()
+        except CheckpointError:
+            raise
         except FileNotFoundError as err:
             raise CheckpointError(f"{self.directory}: data file {Path(err.filename).name} of "
                                   f"{key} is missing; the checkpoint is incomplete") from None
-        except (RuntimeError, EOFError, pickle.UnpicklingError, KeyError) as err:
-            raise CheckpointError(f"{self.directory}: cannot read {key} ({_first_line(err)}); "
+        except Exception as err:  # noqa: BLE001 - corrupt input fails in many ways: one line
+            raise CheckpointError(f"{self.directory}: cannot read {key} ({first_line(err)}); "
                                   "the checkpoint is corrupt") from None
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__

@@ -3,7 +3,8 @@
 A torch_dist checkpoint stores global tensors, so tensor- and pipeline-parallel layouts need no
 merging: a layer is read as its slice of each stacked `decoder.layers.*` tensor (or its own
 `decoder.layers.<i>.*` keys), and GLU halves saved under separate `_w`/`_v` keys are joined.
-Optimizer state, RNG state and the rerun state machine are skipped.
+Optimizer state, RNG state and the rerun state machine are skipped. A checkpoint with a megamoe
+manifest (megamoe.checkpointing.manifest) is verified before anything is read.
 """
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from typing import Iterator, Optional
 
 import torch
 
+from megamoe.checkpointing.manifest import has_manifest, verify_folder
 from megamoe.errors import CheckpointError
 from megamoe.upcycle.dcp_reader import DCPReader
 from megamoe.upcycle.layout import LAYER_PREFIX, ObjectItem
 from megamoe.upcycle.source import DenseLayer, check_not_moe
-from megamoe.upcycle.torch_files import load_torch_file
+from megamoe.checkpointing.torch_files import load_torch_file
 
 SKIPPED_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine_state")
 STACKED = -1
@@ -49,7 +51,13 @@ class DistSource:
     format = "torch_dist"
 
     def __init__(self, directory: Path):
+        if has_manifest(directory):
+            problem = verify_folder(directory)
+            if problem is not None:
+                raise CheckpointError(f"checkpoint {directory} is unusable: {problem}; restore "
+                                      "it or upcycle another checkpoint")
         self.reader = DCPReader(directory)
+        self.args = _saved_args(directory)
         tensors = {key: md for key, md in self.reader.tensors().items()
                    if not key.startswith(SKIPPED_PREFIXES)}
         objects = [key for key in self.reader.objects() if not key.startswith(SKIPPED_PREFIXES)]
@@ -76,7 +84,6 @@ class DistSource:
         self.key_layout = ("stacked" if self._stacked else
                            "singleton" if any(s.endswith("_w") for s in self._suffixes())
                            else "per_layer")
-        self.args = _saved_args(directory)
         self.description = f"torch_dist ({self.key_layout}) at {directory}"
 
     def layer(self, index: int) -> DenseLayer:

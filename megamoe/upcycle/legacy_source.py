@@ -21,7 +21,7 @@ import torch
 from megamoe.errors import CheckpointError
 from megamoe.upcycle.layout import LAYER_PREFIX, ObjectItem, object_key
 from megamoe.upcycle.source import DenseLayer, check_not_moe
-from megamoe.upcycle.torch_files import load_torch_file
+from megamoe.checkpointing.torch_files import load_torch_file
 
 FILE_NAME = "model_optim_rng.pt"
 EXTRA_STATE = "_extra_state"

@@ -1,7 +1,7 @@
 """Compare a dense checkpoint's logits with its upcycled MoE checkpoint's, in fp32 on CPU.
 
 The dense model is a Megatron-Core GPTModel (local spec). A torch_dist source is loaded by
-Megatron's own `dist_checkpointing.load`; a legacy source from the upcycler's merged global
+Megatron's own `dist_checkpointing.load` (with megamoe's restricted unpicklers); a legacy source from the upcycler's merged global
 tensors. The MoE model is Megatron-Core's own MoE GPTModel (local spec, SequentialMLP, the
 `megatron_settings` the recipe recorded), loaded with `dist_checkpointing.load` from the output,
 so the check also proves Megatron-Core reads the output layout. Runs at world size 1.
@@ -56,10 +56,10 @@ def _build(arch: DenseArch, moe_settings: dict | None):
 
 
 def _load_dist(model, directory: Path, key_layout: str) -> None:
-    from megatron.core import dist_checkpointing
+    from megamoe.checkpointing.safe_dcp import load_dist_checkpoint
 
     request = model.sharded_state_dict(metadata=sharded_metadata(key_layout))
-    state = dist_checkpointing.load(request, str(directory))
+    state = load_dist_checkpoint(request, directory)
     # the result also holds the checkpoint's common state (iteration, args, ...)
     model.load_state_dict({key: state[key] for key in request})
 

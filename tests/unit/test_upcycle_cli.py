@@ -13,7 +13,7 @@ import torch
 import upcycle_ckpts as ck
 from megamoe.errors import run_cli
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
-from megamoe.upcycle.torch_files import load_torch_file
+from megamoe.checkpointing.torch_files import load_torch_file
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "upcycle_ckpt.py"

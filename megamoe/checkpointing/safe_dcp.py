@@ -1,0 +1,228 @@
+"""Reading PyTorch Distributed Checkpoints (DCP) and Megatron-Core torch_dist checkpoints with
+every pickle restricted to an allow-list.
+
+PyTorch's `FileSystemReader.read_metadata` unpickles `.metadata` with plain `pickle.load`, and
+its `DefaultLoadPlanner.load_bytes` deserializes sharded objects (Megatron's `rng_state`, extra
+state) with `torch.load(weights_only=False)`: both run whatever a crafted file asks for.
+`SafeFileSystemReader` reads `.metadata` through `MetadataUnpickler` (only DCP's metadata
+classes, torch sizes and dtypes, plain containers) and checks each sharded object with
+`load_torch_bytes` (weights_only, see torch_files) before the planner deserializes it; a
+refused type is a CheckpointError naming the file and the type.
+
+Megatron-Core's torch_dist strategy builds its reader with the module function
+`megatron.core.dist_checkpointing.strategies.torch._get_filesystem_reader` (0.16.1 .. 0.19.x)
+and loads `common.pt` with `torch.load`. `load_dist_checkpoint` is megamoe's one entry to
+Megatron's `dist_checkpointing.load`: it hands Megatron a common strategy that loads through
+`load_torch_file`, and replaces `_get_filesystem_reader` for the duration of the call only (the
+one override of a Megatron function here), so every pickle Megatron reads is restricted.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from megamoe.checkpointing.torch_files import (first_line, load_torch_bytes, load_torch_file,
+                                              refused)
+from megamoe.errors import CheckpointError, MegaMoEError
+
+COMMON_FILE = "common.pt"
+# What a failing DCP / Megatron load or save raises: DCP's per-rank CheckpointException is a
+# BaseException, not an Exception.
+FAILURES = (Exception, CheckpointException)
+METADATA_FILE = ".metadata"
+# What torch's FileSystemWriter and Megatron's FileSystemWriterAsync pickle into `.metadata`.
+_DCP_TYPES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+        "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.planner": {
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData",
+        "LoadPlan", "ReadItem", "LoadItemType"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+}
+
+
+# torch constants a TensorProperties may pickle by name (older torch pickles layouts directly).
+_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP `.metadata`: only `_DCP_TYPES` and torch dtypes, layouts and memory
+    formats; anything else raises."""
+
+    def __init__(self, file, where: str):
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _DCP_TYPES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS):
+            return getattr(torch, name)
+        raise refused(self.where, f"{module}.{name}")
+
+
+def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
+    """The DCP `Metadata` pickled in the file `path`, through `MetadataUnpickler`."""
+    try:
+        with open(path, "rb") as f:
+            metadata = MetadataUnpickler(f, str(path)).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing; the torch_dist checkpoint is incomplete") \
+            from None
+    except MegaMoEError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure of a corrupt pickle is one line
+        raise CheckpointError(f"{path} is corrupt ({type(err).__name__}: {first_line(err)}); "
+                              "restore the checkpoint or use another one") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata; the "
+                              "checkpoint is corrupt")
+    return metadata
+
+
+class _CheckedPlanner:
+    """A load planner whose `load_bytes` first checks the serialized object (weights_only)."""
+
+    def __init__(self, planner, directory: Path):
+        self._planner, self._directory = planner, directory
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        load_torch_bytes(value, f"{self._directory} (sharded object {read_item.dest_index.fqn})")
+        value.seek(0)
+        self._planner.load_bytes(read_item, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's `FileSystemReader` with allow-listed `.metadata` and sharded-object unpickling."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan, planner):
+        return super().read_data(plan, _CheckedPlanner(planner, Path(self.path)))
+
+
+def load_common_state(directory: str | os.PathLike) -> dict:
+    """A torch_dist checkpoint's `common.pt` (the non-sharded state), weights_only."""
+    path = Path(directory) / COMMON_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing; {directory} is not a complete torch_dist "
+                              "checkpoint")
+    common = load_torch_file(path)
+    if not isinstance(common, dict):
+        raise CheckpointError(f"{path} holds a {type(common).__name__}, not a state dict; the "
+                              "checkpoint is corrupt")
+    return common
+
+
+@functools.lru_cache(maxsize=None)
+def _safe_megatron_classes() -> tuple[type, type]:
+    """(common load strategy, metadata-caching reader) of Megatron with restricted unpickling.
+
+    Built on first use: importing megatron.core.dist_checkpointing is slow and noisy, and the
+    upcycler's DCPReader does not need it.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
+        CachedMetadataFileSystemReader)
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
+        """Loads `common.pt` and sharded-object files weights_only."""
+
+        def load_common(self, checkpoint_dir):
+            return load_common_state(checkpoint_dir)
+
+        def load_sharded_objects(self, sharded_objects_state_dict, checkpoint_dir):
+            def load(sh_obj):
+                return load_torch_file(Path(checkpoint_dir) / f"{sh_obj.unique_key}.pt")
+            return dict_list_map_inplace(load, sharded_objects_state_dict)
+
+    class SafeCachedMetadataFileSystemReader(CachedMetadataFileSystemReader,
+                                             SafeFileSystemReader):
+        """Megatron's metadata-caching reader over `SafeFileSystemReader`."""
+
+    return SafeCommonLoadStrategy, SafeCachedMetadataFileSystemReader
+
+
+@contextlib.contextmanager
+def _restricted_megatron_readers() -> Iterator[None]:
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    cached_reader = _safe_megatron_classes()[1]
+    original = torch_strategy._get_filesystem_reader
+
+    def safe_reader(checkpoint_dir, cache_metadata: bool = False, **_):
+        return (cached_reader if cache_metadata else SafeFileSystemReader)(checkpoint_dir)
+
+    torch_strategy._get_filesystem_reader = safe_reader
+    try:
+        yield
+    finally:
+        torch_strategy._get_filesystem_reader = original
+
+
+def load_dist_checkpoint(request: dict, directory: str | os.PathLike, **kwargs) -> Any:
+    """Megatron's `dist_checkpointing.load(request, directory, **kwargs)`, every pickle
+    restricted. `.metadata` is read (restricted) first: DCP's loader swallows a failing
+    `read_metadata` into an AssertionError. A refused type or corrupt file inside DCP's
+    collective wrappers comes out as the CheckpointError that caused it."""
+    from megatron.core import dist_checkpointing
+
+    read_dcp_metadata(Path(directory) / METADATA_FILE)
+    common_strategy = _safe_megatron_classes()[0]()
+    try:
+        with _restricted_megatron_readers():
+            return dist_checkpointing.load(request, str(directory),
+                                           common_strategy=common_strategy, **kwargs)
+    except MegaMoEError:
+        raise
+    except FAILURES as err:
+        cause = _megamoe_cause(err)
+        if cause is not None:
+            raise cause from None
+        raise
+
+
+def _megamoe_cause(err: BaseException):
+    """The MegaMoEError inside DCP's CheckpointException (per-rank failures), if any."""
+    return find_exception(err, MegaMoEError)
+
+
+def find_exception(err: Optional[BaseException], kind: type, depth: int = 0):
+    """The first `kind` exception in `err`, its causes and contexts, or the per-rank failures
+    of DCP's CheckpointException (`failures`: rank -> (exception, traceback))."""
+    if err is None or depth > 8:
+        return None
+    if isinstance(err, kind):
+        return err
+    for failure in (getattr(err, "failures", None) or {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        found = find_exception(inner if isinstance(inner, BaseException) else None, kind,
+                               depth + 1)
+        if found is not None:
+            return found
+    return find_exception(err.__cause__ or err.__context__, kind, depth + 1)

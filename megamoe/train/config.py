@@ -17,6 +17,7 @@ building the MoEConfig.
     optimizer:  {lr, min_lr, warmup_steps, decay_style, weight_decay, ...}
     checkpoint: {interval, dir, init_from, keep_last}
     logging:    {interval, tensorboard, wandb, ...}
+    guards:     {nonfinite, spike_factor, spike_window, spike_action, max_rollbacks, debug_*}
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 DECAY_STYLES = ("cosine", "linear", "constant")
+SPIKE_ACTIONS = ("stop", "rollback")
 
 
 @dataclass
@@ -203,6 +205,38 @@ class LoggingConfig:
 
 
 @dataclass
+class GuardsConfig:
+    """Divergence guards, checked every step before the optimizer update (megamoe.train.guards).
+
+    A tripped guard never saves a checkpoint; a run it stops exits with code 3."""
+
+    nonfinite: bool = True
+    """Stop at a NaN or Inf loss or gradient norm, naming the step and the first module whose
+    output (or parameter, or gradient) went non-finite (as Megatron-LM's
+    --check-for-nan-in-loss-and-grad)."""
+    spike_factor: float = 10.0
+    """A loss above this many times the mean of the last `spike_window` steps is a spike (0:
+    off). Checked once the window is full (after `spike_window` steps of this process)."""
+    spike_window: int = 50
+    """Steps in the loss spike guard's moving average."""
+    spike_action: str = "rollback"
+    """On a spike: `stop`, or `rollback`: reload the latest checkpoint, replay up to the spike
+    and skip the spiking step's batch (PaLM, arXiv 2204.02311 sec. 5.1, skips the batches
+    around a spike), at most `max_rollbacks` times."""
+    max_rollbacks: int = 3
+    """Rollbacks one process may do before a further spike stops the run; the dataset holds
+    this many extra steps of samples for the skipped batches."""
+    debug_nan_step: int = 0
+    """Testing: just before step N set the first element of parameter `debug_nan_param` to NaN
+    (0: never)."""
+    debug_nan_param: str = "decoder.layers.1.mlp.experts"
+    """Testing: the first parameter whose name (model.named_parameters()) starts with this."""
+    debug_spike_step: int = 0
+    """Testing: the micro-batches that step N reads in an uninterrupted run get random labels,
+    so their loss spikes (a rollback skips them; 0: never)."""
+
+
+@dataclass
 class TrainConfig:
     """A whole training run."""
 
@@ -219,6 +253,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    guards: GuardsConfig = field(default_factory=GuardsConfig)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -477,6 +512,15 @@ def validate(config: TrainConfig) -> None:
              f"checkpoint.interval={config.checkpoint.interval} must be >= 0 (0: at the end)")
     _require(config.checkpoint.keep_last >= 0,
              f"checkpoint.keep_last={config.checkpoint.keep_last} must be >= 0 (0: keep all)")
+    g = config.guards
+    _require(g.spike_factor == 0 or g.spike_factor > 1,
+             f"guards.spike_factor={g.spike_factor} must be > 1 (or 0 to switch the guard off)")
+    _require(g.spike_window >= 1, f"guards.spike_window={g.spike_window} must be >= 1")
+    _choice("guards.spike_action", g.spike_action, SPIKE_ACTIONS)
+    for key, value in [("guards.max_rollbacks", g.max_rollbacks),
+                       ("guards.debug_nan_step", g.debug_nan_step),
+                       ("guards.debug_spike_step", g.debug_spike_step)]:
+        _require(value >= 0, f"{key}={value} must be >= 0")
     _require(bool(d.prefixes) == bool(d.tokenizer_model),
              "data.prefixes and data.tokenizer_model go together: set both, or neither for the "
              "default corpus")

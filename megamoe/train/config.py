@@ -232,8 +232,8 @@ class GuardsConfig:
     debug_nan_param: str = "decoder.layers.1.mlp.experts"
     """Testing: the first parameter whose name (model.named_parameters()) starts with this."""
     debug_spike_step: int = 0
-    """Testing: the micro-batches that step N reads in an uninterrupted run get random labels,
-    so their loss spikes (a rollback skips them; 0: never)."""
+    """Testing: the micro-batches that step N reads in an uninterrupted run get label 0 (the
+    unknown piece) everywhere, so their loss spikes (a rollback skips them; 0: never)."""
 
 
 @dataclass

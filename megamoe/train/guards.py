@@ -185,9 +185,8 @@ def poison_parameter(model: torch.nn.Module, prefix: str) -> str:
                       f"like {', '.join(names[:6])}, ...")
 
 
-def poison_batch(batch, vocab_size: int, seed: int):
-    """Testing (`guards.debug_spike_step`): the batch with uniformly random labels."""
-    generator = torch.Generator().manual_seed(seed)
-    labels = torch.randint(0, vocab_size, batch.labels.shape, generator=generator,
-                           dtype=batch.labels.dtype)
-    return batch._replace(labels=labels)
+def poison_batch(batch):
+    """Testing (`guards.debug_spike_step`): the batch with every label set to token 0 (the
+    tokenizer's unknown piece, which the data never asks for), so its loss jumps once the model
+    has learnt the data's token statistics."""
+    return batch._replace(labels=torch.zeros_like(batch.labels))

@@ -120,7 +120,6 @@ class _Run:
     pgs: ProcessGroupCollection
     device: torch.device
     logger: MetricsLogger
-    vocab_size: int
 
 
 def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
@@ -172,7 +171,7 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
 
     return _Run(config, model, engine, state, batches_from(state.consumed_samples),
                 batches_from, num_microbatches, pgs, torch.device("cuda" if on_cuda else "cpu"),
-                logger, tokenizer.vocab_size)
+                logger)
 
 
 def _train(run: _Run, stop: StopRequest) -> None:
@@ -253,9 +252,9 @@ def _debug_faults(run: _Run, step: int, position: int) -> Iterator:
         run.logger.message(f"guards.debug_nan_step={step}: set an element of {name} to NaN")
     if guards.debug_spike_step and \
             position == (guards.debug_spike_step - 1) * run.config.training.global_batch_size:
-        run.logger.message(f"guards.debug_spike_step: random labels for the batch at sample "
+        run.logger.message(f"guards.debug_spike_step: labels 0 for the batch at sample "
                            f"{position} (step {step})")
-        return (poison_batch(batch, run.vocab_size, seed=position) for batch in run.batches)
+        return (poison_batch(batch) for batch in run.batches)
     return run.batches
 
 

@@ -301,8 +301,15 @@ def known_keys() -> list[str]:
     return keys
 
 
+def _shown(text: object) -> str:
+    """`text` for a one-line message: control characters (a newline in an override) escaped."""
+    text = str(text)
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
 def _unknown_key(key: str, where: str, candidates: list[str]) -> ConfigError:
     """An error naming `key` and the closest candidate (by whole key, else by its last part)."""
+    key = str(key)  # a YAML key may be a number
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
     if not close:
         leaf = key.rsplit(".", 1)[-1]
@@ -310,7 +317,7 @@ def _unknown_key(key: str, where: str, candidates: list[str]) -> ConfigError:
         close = [by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=1,
                                                                 cutoff=0.6)]
     hint = f"; did you mean '{close[0]}'?" if close else "; see megamoe/train/config.py"
-    return ConfigError(f"unknown config key '{key}' {where}{hint}")
+    return ConfigError(f"unknown config key '{_shown(key)}' {where}{hint}")
 
 
 def _type_name(kind: Any) -> str:
@@ -427,7 +434,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 def _check_override_path(path: list, text: str) -> None:
     """Reject an override of an unknown key before merging, so the message names the override."""
-    where = f"in override '{text}'"
+    where = f"in override '{_shown(text)}'"
     dotted = ".".join(map(str, path))
     if path[0] == "moe" and len(path) >= 2 and path[1] == "layer_overrides":
         if len(path) == 4 and path[3] not in _moe_field_types():
@@ -457,15 +464,17 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
     """Read the YAML config at `path`, apply `overrides`, validate, return the TrainConfig."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; pass e.g. configs/tiny_cpu.yaml")
+        raise ConfigError(f"config file {_shown(path)} does not exist; pass e.g. "
+                          "configs/tiny_cpu.yaml")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"config file {path} is not valid YAML{at}; fix its syntax") from None
+        raise ConfigError(f"config file {_shown(path)} is not valid YAML{at}; fix its "
+                          "syntax") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections")
+        raise ConfigError(f"config file {_shown(path)} must hold a mapping of sections")
     # Unknown keys in the file are reported against the file, those of overrides against them.
     config_from_dict(raw, f"in {path}")
     return config_from_dict(apply_overrides(raw, list(overrides)), "after the overrides")
@@ -499,6 +508,7 @@ def validate(config: TrainConfig) -> None:
     _choice("training.precision", t.precision, PRECISIONS)
     _choice("training.device", t.device, DEVICES)
     _choice("optimizer.decay_style", o.decay_style, DECAY_STYLES)
+    _check_ranges(config)
     _require(t.global_batch_size % t.micro_batch_size == 0,
              f"training.global_batch_size={t.global_batch_size} is not a multiple of "
              f"training.micro_batch_size={t.micro_batch_size}")
@@ -533,6 +543,45 @@ def validate(config: TrainConfig) -> None:
         config.moe_config(layer)
     for layer in range(m.num_layers):
         config.moe_config(layer).check_expert_parallel(config.parallel.expert)
+
+
+def _check_ranges(config: TrainConfig) -> None:
+    """Values Megatron-Core, PyTorch or the data loader would reject with a traceback later."""
+    m, t, o, d, p = config.model, config.training, config.optimizer, config.data, config.parallel
+    groups = m.num_query_groups
+    _require(groups is None or (groups >= 1 and m.num_attention_heads % groups == 0),
+             f"model.num_query_groups={groups} must divide model.num_attention_heads="
+             f"{m.num_attention_heads} (or be null)")
+    _require(m.init_method_std > 0, f"model.init_method_std={m.init_method_std} must be > 0")
+    for key, value in [("model.hidden_dropout", m.hidden_dropout),
+                       ("model.attention_dropout", m.attention_dropout),
+                       ("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)]:
+        _require(0 <= value < 1, f"{key}={value} must be in [0, 1)")
+    for key, value in [("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
+                       ("model.rotary_base", m.rotary_base)]:
+        _require(value >= 1, f"{key}={value} must be >= 1")
+    for key, value in [("parallel.first_stage_layers", p.first_stage_layers),
+                       ("parallel.last_stage_layers", p.last_stage_layers)]:
+        _require(value is None or value >= 1, f"{key}={value} must be >= 1 or null")
+    _require(o.eps > 0, f"optimizer.eps={o.eps} must be > 0")
+    _require(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} must be >= 0")
+    _require(t.seed >= 0, f"training.seed={t.seed} must be >= 0")
+    _require(t.collective_timeout_s > 0,
+             f"training.collective_timeout_s={t.collective_timeout_s} must be > 0")
+    _require(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0")
+    _require(d.vocab_size >= 100, f"data.vocab_size={d.vocab_size} must be >= 100")
+    parts = d.split.replace("/", ",").split(",")
+    try:
+        weights = [float(part) for part in parts]
+    except ValueError:
+        weights = []
+    _require(1 <= len(weights) <= 3 and all(w >= 0 for w in weights) and weights[0] > 0,
+             f"data.split={d.split!r} must be up to three non-negative train,valid,test "
+             "weights with train > 0, e.g. 98,2,0")
+    _require(d.weights is None or (len(d.weights) == len(d.prefixes) and
+                                   all(w >= 0 for w in d.weights) and sum(d.weights) > 0),
+             f"data.weights={d.weights} must be one non-negative weight per data.prefixes "
+             "entry (not all 0), or null")
 
 
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:

@@ -32,7 +32,7 @@ BATCH = 16  # the tiny config's global batch size
 
 @pytest.fixture(scope="module")
 def corpus_cache(tmp_path_factory):
-    return build_corpus(tmp_path_factory.mktemp("megamoe-cache"))
+    return build_corpus(tmp_path_factory)
 
 
 def _ep(nproc: int) -> str:

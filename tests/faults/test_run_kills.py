@@ -35,7 +35,7 @@ DETECTION_LIMIT_S = 30.0  # from the SIGKILL to torchrun's exit (about a second 
 
 @pytest.fixture(scope="module")
 def corpus_cache(tmp_path_factory):
-    return build_corpus(tmp_path_factory.mktemp("megamoe-cache"))
+    return build_corpus(tmp_path_factory)
 
 
 def _last_step(out: Path) -> int:

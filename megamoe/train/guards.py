@@ -58,13 +58,19 @@ def _tensors(output) -> list[torch.Tensor]:
     return []
 
 
+def _passes_through(module: torch.nn.Module) -> bool:
+    """Containers, dropout and Megatron's identity placeholders: their outputs are their inputs'
+    (or none), so watching them costs without telling anything."""
+    return isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Dropout)) or \
+        type(module).__name__.startswith("Identity")
+
+
 class NonFiniteTracer:
     """Forward hooks recording, per module, whether any output of this step was non-finite."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.modules = [(name, module) for name, module in model.named_modules()
-                        if name and not isinstance(module, (torch.nn.ModuleList,
-                                                            torch.nn.ModuleDict))]
+                        if name and not _passes_through(module)]
         self.flags: list[Optional[torch.Tensor]] = [None] * len(self.modules)
         self.order: list[int] = []  # module indices in the order their hooks first fired
         self.handles = [module.register_forward_hook(self._hook(i))

@@ -38,7 +38,8 @@ def read_metrics(path: Path) -> list[dict]:
             continue
         try:
             record = json.loads(line)
-            by_step[int(record["step"])] = record
+            if "event" not in record:  # event lines (a guard tripped) carry no metrics
+                by_step[int(record["step"])] = record
         except (ValueError, KeyError, TypeError):
             raise DataError(f"{path} line {number} is not a metrics record (JSON with a "
                             "'step'); is this a megamoe.train metrics file?") from None

@@ -6,7 +6,10 @@
 
 Runs alone or under torchrun / launch/pretrain_moe.sh, on CPU (gloo) or GPUs (NCCL). A run whose
 checkpoint folder already holds a checkpoint resumes from it; one that has already reached
-`training.train_steps` exits at once. A bad config or override exits with code 2 and one line.
+`training.train_steps` exits at once. A bad config or override exits with code 2 and one line;
+a run that a divergence guard stops (a NaN/Inf loss or gradient norm, a loss spike with
+`guards.spike_action=stop` or too many rollbacks) exits with code 3 and one line, having saved
+nothing.
 """
 from __future__ import annotations
 
@@ -59,9 +62,15 @@ def _main(argv: list[str] | None) -> int:
         # Megatron's fused kernels are torch.compile'd: seconds per first call on CPU, no gain.
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     _quiet_megatron()
+    from megamoe.train.guards import EXIT_DIVERGED, DivergenceError
     from megamoe.train.loop import run
 
-    return run(config)
+    try:
+        return run(config)
+    except DivergenceError as err:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return EXIT_DIVERGED
 
 
 def _quiet_megatron() -> None:

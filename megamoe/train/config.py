@@ -17,6 +17,7 @@ building the MoEConfig.
     optimizer:  {lr, min_lr, warmup_steps, decay_style, weight_decay, ...}
     checkpoint: {interval, dir, init_from, keep_last, resume_from_verified}
     logging:    {interval, tensorboard, wandb, ...}
+    guards:     {nonfinite, spike_factor, spike_window, spike_action, max_rollbacks, debug_*}
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 DECAY_STYLES = ("cosine", "linear", "constant")
+SPIKE_ACTIONS = ("stop", "rollback")
 
 
 @dataclass
@@ -208,6 +210,38 @@ class LoggingConfig:
 
 
 @dataclass
+class GuardsConfig:
+    """Divergence guards, checked every step before the optimizer update (megamoe.train.guards).
+
+    A tripped guard never saves a checkpoint; a run it stops exits with code 3."""
+
+    nonfinite: bool = True
+    """Stop at a NaN or Inf loss or gradient norm, naming the step and the first module whose
+    output (or parameter, or gradient) went non-finite (as Megatron-LM's
+    --check-for-nan-in-loss-and-grad)."""
+    spike_factor: float = 10.0
+    """A loss above this many times the mean of the last `spike_window` steps is a spike (0:
+    off). Checked once the window is full (after `spike_window` steps of this process)."""
+    spike_window: int = 50
+    """Steps in the loss spike guard's moving average."""
+    spike_action: str = "rollback"
+    """On a spike: `stop`, or `rollback`: reload the latest checkpoint, replay up to the spike
+    and skip the spiking step's batch (PaLM, arXiv 2204.02311 sec. 5.1, skips the batches
+    around a spike), at most `max_rollbacks` times."""
+    max_rollbacks: int = 3
+    """Rollbacks one process may do before a further spike stops the run; the dataset holds
+    this many extra steps of samples for the skipped batches."""
+    debug_nan_step: int = 0
+    """Testing: just before step N set the first element of parameter `debug_nan_param` to NaN
+    (0: never)."""
+    debug_nan_param: str = "decoder.layers.1.mlp.experts"
+    """Testing: the first parameter whose name (model.named_parameters()) starts with this."""
+    debug_spike_step: int = 0
+    """Testing: the micro-batches that step N reads in an uninterrupted run get label 0 (the
+    unknown piece) everywhere, so their loss spikes (a rollback skips them; 0: never)."""
+
+
+@dataclass
 class TrainConfig:
     """A whole training run."""
 
@@ -224,6 +258,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    guards: GuardsConfig = field(default_factory=GuardsConfig)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -271,8 +306,15 @@ def known_keys() -> list[str]:
     return keys
 
 
+def _shown(text: object) -> str:
+    """`text` for a one-line message: control characters (a newline in an override) escaped."""
+    text = str(text)
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
 def _unknown_key(key: str, where: str, candidates: list[str]) -> ConfigError:
     """An error naming `key` and the closest candidate (by whole key, else by its last part)."""
+    key = str(key)  # a YAML key may be a number
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
     if not close:
         leaf = key.rsplit(".", 1)[-1]
@@ -280,7 +322,7 @@ def _unknown_key(key: str, where: str, candidates: list[str]) -> ConfigError:
         close = [by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=1,
                                                                 cutoff=0.6)]
     hint = f"; did you mean '{close[0]}'?" if close else "; see megamoe/train/config.py"
-    return ConfigError(f"unknown config key '{key}' {where}{hint}")
+    return ConfigError(f"unknown config key '{_shown(key)}' {where}{hint}")
 
 
 def _type_name(kind: Any) -> str:
@@ -397,7 +439,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 def _check_override_path(path: list, text: str) -> None:
     """Reject an override of an unknown key before merging, so the message names the override."""
-    where = f"in override '{text}'"
+    where = f"in override '{_shown(text)}'"
     dotted = ".".join(map(str, path))
     if path[0] == "moe" and len(path) >= 2 and path[1] == "layer_overrides":
         if len(path) == 4 and path[3] not in _moe_field_types():
@@ -427,15 +469,17 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
     """Read the YAML config at `path`, apply `overrides`, validate, return the TrainConfig."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; pass e.g. configs/tiny_cpu.yaml")
+        raise ConfigError(f"config file {_shown(path)} does not exist; pass e.g. "
+                          "configs/tiny_cpu.yaml")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"config file {path} is not valid YAML{at}; fix its syntax") from None
+        raise ConfigError(f"config file {_shown(path)} is not valid YAML{at}; fix its "
+                          "syntax") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections")
+        raise ConfigError(f"config file {_shown(path)} must hold a mapping of sections")
     # Unknown keys in the file are reported against the file, those of overrides against them.
     config_from_dict(raw, f"in {path}")
     return config_from_dict(apply_overrides(raw, list(overrides)), "after the overrides")
@@ -469,6 +513,7 @@ def validate(config: TrainConfig) -> None:
     _choice("training.precision", t.precision, PRECISIONS)
     _choice("training.device", t.device, DEVICES)
     _choice("optimizer.decay_style", o.decay_style, DECAY_STYLES)
+    _check_ranges(config)
     _require(t.global_batch_size % t.micro_batch_size == 0,
              f"training.global_batch_size={t.global_batch_size} is not a multiple of "
              f"training.micro_batch_size={t.micro_batch_size}")
@@ -482,6 +527,15 @@ def validate(config: TrainConfig) -> None:
              f"checkpoint.interval={config.checkpoint.interval} must be >= 0 (0: at the end)")
     _require(config.checkpoint.keep_last >= 0,
              f"checkpoint.keep_last={config.checkpoint.keep_last} must be >= 0 (0: keep all)")
+    g = config.guards
+    _require(g.spike_factor == 0 or g.spike_factor > 1,
+             f"guards.spike_factor={g.spike_factor} must be > 1 (or 0 to switch the guard off)")
+    _require(g.spike_window >= 1, f"guards.spike_window={g.spike_window} must be >= 1")
+    _choice("guards.spike_action", g.spike_action, SPIKE_ACTIONS)
+    for key, value in [("guards.max_rollbacks", g.max_rollbacks),
+                       ("guards.debug_nan_step", g.debug_nan_step),
+                       ("guards.debug_spike_step", g.debug_spike_step)]:
+        _require(value >= 0, f"{key}={value} must be >= 0")
     _require(bool(d.prefixes) == bool(d.tokenizer_model),
              "data.prefixes and data.tokenizer_model go together: set both, or neither for the "
              "default corpus")
@@ -494,6 +548,45 @@ def validate(config: TrainConfig) -> None:
         config.moe_config(layer)
     for layer in range(m.num_layers):
         config.moe_config(layer).check_expert_parallel(config.parallel.expert)
+
+
+def _check_ranges(config: TrainConfig) -> None:
+    """Values Megatron-Core, PyTorch or the data loader would reject with a traceback later."""
+    m, t, o, d, p = config.model, config.training, config.optimizer, config.data, config.parallel
+    groups = m.num_query_groups
+    _require(groups is None or (groups >= 1 and m.num_attention_heads % groups == 0),
+             f"model.num_query_groups={groups} must divide model.num_attention_heads="
+             f"{m.num_attention_heads} (or be null)")
+    _require(m.init_method_std > 0, f"model.init_method_std={m.init_method_std} must be > 0")
+    for key, value in [("model.hidden_dropout", m.hidden_dropout),
+                       ("model.attention_dropout", m.attention_dropout),
+                       ("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)]:
+        _require(0 <= value < 1, f"{key}={value} must be in [0, 1)")
+    for key, value in [("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
+                       ("model.rotary_base", m.rotary_base)]:
+        _require(value >= 1, f"{key}={value} must be >= 1")
+    for key, value in [("parallel.first_stage_layers", p.first_stage_layers),
+                       ("parallel.last_stage_layers", p.last_stage_layers)]:
+        _require(value is None or value >= 1, f"{key}={value} must be >= 1 or null")
+    _require(o.eps > 0, f"optimizer.eps={o.eps} must be > 0")
+    _require(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} must be >= 0")
+    _require(t.seed >= 0, f"training.seed={t.seed} must be >= 0")
+    _require(t.collective_timeout_s > 0,
+             f"training.collective_timeout_s={t.collective_timeout_s} must be > 0")
+    _require(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0")
+    _require(d.vocab_size >= 100, f"data.vocab_size={d.vocab_size} must be >= 100")
+    parts = d.split.replace("/", ",").split(",")
+    try:
+        weights = [float(part) for part in parts]
+    except ValueError:
+        weights = []
+    _require(1 <= len(weights) <= 3 and all(w >= 0 for w in weights) and weights[0] > 0,
+             f"data.split={d.split!r} must be up to three non-negative train,valid,test "
+             "weights with train > 0, e.g. 98,2,0")
+    _require(d.weights is None or (len(d.weights) == len(d.prefixes) and
+                                   all(w >= 0 for w in d.weights) and sum(d.weights) > 0),
+             f"data.weights={d.weights} must be one non-negative weight per data.prefixes "
+             "entry (not all 0), or null")
 
 
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:

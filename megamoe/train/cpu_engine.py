@@ -121,14 +121,12 @@ class CpuEngine:
             dist.all_reduce(dense_sq, group=self.pgs.mp)
         return (dense_sq + expert_sq).sqrt()
 
-    def step(self) -> float:
-        """Clip the gradients to `training.grad_clip` (if > 0) and take an AdamW step; returns
-        the gradient norm before clipping."""
-        norm = self.grad_norm()
+    def step(self, norm: torch.Tensor) -> None:
+        """Clip the gradients to `training.grad_clip` (if > 0) using their norm `norm` (from
+        `grad_norm`, which the loop checks first) and take an AdamW step."""
         if self.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, norm)
         self.optimizer.step()
-        return float(norm)
 
     def model_weights_changed(self) -> None:
         """Nothing to do: AdamW updates the model's own parameters."""

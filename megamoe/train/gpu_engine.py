@@ -3,7 +3,9 @@
 The model (bf16 through Megatron's Float16Module, or fp32) is wrapped in Megatron-Core's
 DistributedDataParallel: expert parameters (`param.allreduce == False`) reduce over the
 expert-data-parallel group, the rest over the data-parallel group. The distributed optimizer
-(Adam with fp32 main weights, sharded over data-parallel ranks) clips the global gradient norm.
+(Adam with fp32 main weights, sharded over data-parallel ranks) clips the global gradient norm;
+its step is taken in two halves (`grad_norm`, `step`) so the loop's divergence guards see the
+norm before any weight changes.
 Micro-batches run through `get_forward_backward_func()` (1F1B when pipeline-parallel), whose
 `finalize_model_grads` finishes the gradient reduction. Its optimizer state is checkpointed in the
 `fully_reshardable` layout, keyed by the model's sharded keys, so it reshards with the experts.
@@ -20,6 +22,7 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
@@ -86,10 +89,22 @@ class GpuEngine:
             totals += report["lm_loss"].float().cpu()
         return totals
 
-    def step(self) -> float:
-        """One optimizer step (the optimizer clips); returns the gradient norm."""
-        _, grad_norm, _ = self.optimizer.step()
-        return float(grad_norm) if grad_norm is not None else float("nan")
+    def grad_norm(self) -> torch.Tensor:
+        """Copy the reduced gradients to the fp32 main gradients and return their global norm
+        (the first half of Megatron's `optimizer.step()`; the loop checks it before `step`)."""
+        self.optimizer.prepare_grads()  # bf16 or fp32: no loss scaler, nothing to skip
+        return torch.as_tensor(self.optimizer.get_grad_norm(), dtype=torch.float32)
+
+    def step(self, norm: torch.Tensor) -> None:
+        """The second half of Megatron's `optimizer.step()`: clip every chained optimizer's main
+        gradients by the global norm `norm` (as `ChainedOptimizer.step`), then update."""
+        if self.config.training.grad_clip > 0:
+            for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                parameters = optimizer.get_parameters()
+                if parameters and not getattr(optimizer, "is_stub_optimizer", False):
+                    clip_grad_by_total_norm_fp32(parameters, self.config.training.grad_clip,
+                                                 float(norm))
+        self.optimizer.step_with_ready_grads()
 
     def model_weights_changed(self) -> None:
         """Copy freshly loaded model weights into the optimizer's fp32 main weights."""

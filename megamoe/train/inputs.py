@@ -37,11 +37,14 @@ def data_sources(config: TrainConfig) -> tuple[list[str], str]:
 
 def training_batches(config: TrainConfig, prefixes: list[str], tokenizer: SentencePieceTokenizer,
                      dp_rank: int, dp_size: int, start_sample: int) -> Iterator[Batch]:
-    """This data-parallel rank's micro-batches from global sample `start_sample` on."""
+    """This data-parallel rank's micro-batches from global sample `start_sample` on. The
+    dataset holds `guards.max_rollbacks` steps more than the run trains, for the batches a
+    loss-spike rollback skips."""
     data, training = config.data, config.training
+    steps = training.train_steps + config.guards.max_rollbacks
     train, _, _ = build_gpt_datasets(
         prefixes, tokenizer, seq_length=config.model.seq_length, seed=training.seed,
-        num_samples=(training.train_steps * training.global_batch_size, None, None),
+        num_samples=(steps * training.global_batch_size, None, None),
         index_cache_dir=Path(data.cache_dir).expanduser() / "index", split=data.split,
         weights=data.weights, eod_mask_loss=data.eod_mask_loss)
     return iterate_batches(train, micro_batch_size=training.micro_batch_size, dp_rank=dp_rank,

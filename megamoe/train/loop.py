@@ -3,12 +3,17 @@
 One optimizer step:
 1. learning rate from the schedule (a function of the step);
 2. forward and backward of all micro-batches, gradients reduced over data-parallel replicas
-   (`CpuEngine` on CPU, Megatron-Core's DDP and schedules in `GpuEngine` on GPU);
-3. `step_balancing`: routing counts all-reduced over each router's replica group, expert biases
+   (`CpuEngine` on CPU, Megatron-Core's DDP and schedules in `GpuEngine` on GPU), and the
+   global gradient norm;
+3. one all-reduce that sums the loss over ranks and tells every rank whether any was signalled
+   and whether any saw a non-finite loss or gradient norm;
+4. the divergence guards (megamoe.train.guards), on the reduced values so every rank decides
+   alike: a non-finite value stops the run (exit code 3, nothing saved), a loss spike stops it
+   or rolls back to the latest checkpoint and skips the spiking step's batch;
+5. `step_balancing`: routing counts all-reduced over each router's replica group, expert biases
    updated, per-layer MoE metrics (once per step, after the gradients are final);
-4. clipped optimizer step;
-5. one all-reduce that sums the loss over ranks and tells every rank whether any was signalled;
-6. metrics, then a checkpoint every `checkpoint.interval` steps, at the end, and on a signal
+6. clipped optimizer step;
+7. metrics, then a checkpoint every `checkpoint.interval` steps, at the end, and on a signal
    (after which the run exits 0 so SLURM can requeue it).
 """
 from __future__ import annotations
@@ -18,7 +23,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -32,6 +37,17 @@ from megamoe.parallel.comm import TorchComm
 from megamoe.train.checkpoint import (load_checkpoint, load_model_weights, resume_checkpoint,
                                       save_checkpoint)
 from megamoe.train.config import TrainConfig, dump_config
+from megamoe.train.guards import (
+    DivergenceError,
+    LossSpikeGuard,
+    NonFiniteTracer,
+    Spike,
+    diagnose,
+    gather_diagnoses,
+    nonfinite,
+    poison_batch,
+    poison_parameter,
+)
 from megamoe.train.inputs import data_sources, training_batches
 from megamoe.train.metrics import MetricsLogger
 from megamoe.train.model import build_model, transformer_config
@@ -99,6 +115,8 @@ class _Run:
     engine: object
     state: TrainState
     batches: Iterator
+    batches_from: Callable[[int], Iterator]
+    """This rank's micro-batches from a global sample count on (after a rollback)."""
     num_microbatches: int
     pgs: ProcessGroupCollection
     device: torch.device
@@ -149,37 +167,68 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
         f"{dp_size} x expert {p.expert} x tensor {p.tensor} x pipeline {p.pipeline}), "
         f"{sum(t.numel() for t in model.parameters()):,} parameters on rank 0, starting from "
         f"{origin}; output in {config.output_dir}")
-    batches = training_batches(config, prefixes, tokenizer, dp_rank, dp_size,
-                               state.consumed_samples)
-    return _Run(config, model, engine, state, batches, num_microbatches, pgs,
-                torch.device("cuda" if on_cuda else "cpu"), logger)
+    def batches_from(start_sample: int) -> Iterator:
+        return training_batches(config, prefixes, tokenizer, dp_rank, dp_size, start_sample)
+
+    return _Run(config, model, engine, state, batches_from(state.consumed_samples),
+                batches_from, num_microbatches, pgs, torch.device("cuda" if on_cuda else "cpu"),
+                logger)
 
 
 def _train(run: _Run, stop: StopRequest) -> None:
     """Optimizer steps until train_steps, an exit interval or a stop signal (see the module
-    docstring for the order of one step)."""
-    config, engine, logger = run.config, run.engine, run.logger
+    docstring for the order of one step). Raises DivergenceError when a guard stops the run."""
+    config, engine, logger, guards = run.config, run.engine, run.logger, run.config.guards
     schedule = LRSchedule.from_config(config.optimizer, config.training.train_steps)
     replica_comm = TorchComm(run.pgs.tp_dp_cp)
-    tokens_per_step = config.training.global_batch_size * config.model.seq_length
+    batch_size = config.training.global_batch_size
+    tokens_per_step = batch_size * config.model.seq_length
+    spikes = LossSpikeGuard(guards)
+    tracer = NonFiniteTracer(run.model) if guards.nonfinite else None
+    skip_at: set[int] = set()  # data positions whose step batch a rollback skips
+    rollbacks = 0
     state = run.state
     while state.iteration < config.training.train_steps:
         start = time.perf_counter()
         step = state.iteration + 1
+        while state.consumed_samples in skip_at:
+            for _ in range(run.num_microbatches):
+                next(run.batches)
+            state = TrainState(state.iteration, state.consumed_samples + batch_size)
+        batches = _debug_faults(run, step, state.consumed_samples)
         lr = schedule(step)
         set_learning_rate(engine.optimizer, lr)
-        totals = engine.forward_backward(run.batches, run.num_microbatches)
-        moe_metrics = step_balancing(run.model, replica_comm)
-        grad_norm = engine.step()
-        state = TrainState(step, state.consumed_samples + config.training.global_batch_size)
-        # One collective: the loss over all ranks, and whether any rank was signalled.
-        reduced = torch.tensor([*totals.tolist(), float(stop.requested)], device=run.device)
+        if tracer is not None:
+            tracer.reset()
+        totals = engine.forward_backward(batches, run.num_microbatches)
+        grad_norm = engine.grad_norm()
+        # One collective: the loss over all ranks, whether any rank was signalled, and whether
+        # any saw a non-finite loss or gradient norm.
+        local_bad = nonfinite(float(totals[0]), float(grad_norm))
+        reduced = torch.tensor([*totals.tolist(), float(stop.requested), float(local_bad)],
+                               device=run.device)
         dist.all_reduce(reduced)
-        loss_sum, tokens, stops = reduced.tolist()
+        loss_sum, tokens, stops, bad = reduced.tolist()
+        loss = loss_sum / max(tokens, 1.0)
+        if guards.nonfinite and bad > 0:
+            _stop_nonfinite(run, tracer, step, loss, float(grad_norm))
+        spike = spikes.check(loss)
+        if spike is not None:
+            if guards.spike_action != "rollback" or rollbacks >= guards.max_rollbacks:
+                _stop_spike(run, step, spike, rollbacks)
+            skip_at.add(state.consumed_samples)
+            state = _rollback(run, step, spike, state.consumed_samples)
+            spikes.rewind(state.iteration)
+            rollbacks += 1
+            continue
+        spikes.accept(step, loss)
+        moe_metrics = step_balancing(run.model, replica_comm)
+        engine.step(grad_norm)
+        state = TrainState(step, state.consumed_samples + batch_size)
         if config.parallel.pipeline > 1:
             moe_metrics = _gather_pipeline_metrics(moe_metrics, run.pgs.pp)
         elapsed = time.perf_counter() - start
-        logger.log(step, {"loss": loss_sum / max(tokens, 1.0), "lr": lr, "grad_norm": grad_norm,
+        logger.log(step, {"loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                           "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
                           "consumed_samples": state.consumed_samples, **moe_metrics})
         exiting = stops > 0 or _every(step, config.training.exit_interval)
@@ -192,6 +241,72 @@ def _train(run: _Run, stop: StopRequest) -> None:
             logger.message(f"stopping after step {step} {reason}; run the same command again "
                            "to resume")
             return
+
+
+def _debug_faults(run: _Run, step: int, position: int) -> Iterator:
+    """The step's batches, after the testing faults of `guards.debug_*` (if any) are injected:
+    a NaN weight before step `debug_nan_step`, random labels for the batch at the data position
+    of step `debug_spike_step` of an uninterrupted run."""
+    guards = run.config.guards
+    if step == guards.debug_nan_step:
+        name = poison_parameter(run.model, guards.debug_nan_param)
+        run.logger.message(f"guards.debug_nan_step={step}: set an element of {name} to NaN")
+    if guards.debug_spike_step and \
+            position == (guards.debug_spike_step - 1) * run.config.training.global_batch_size:
+        run.logger.message(f"guards.debug_spike_step: labels 0 for the batch at sample "
+                           f"{position} (step {step})")
+        return (poison_batch(batch) for batch in run.batches)
+    return run.batches
+
+
+def _latest_name(run: _Run) -> str:
+    latest = latest_checkpoint(run.config.checkpoint_dir)
+    return f"the latest checkpoint, {latest}, is untouched" if latest else "no checkpoint exists"
+
+
+def _stop_nonfinite(run: _Run, tracer, step: int, loss: float, grad_norm: float) -> None:
+    where = gather_diagnoses(diagnose(run.model, tracer))
+    text = (f"step {step}: non-finite loss or gradient norm (loss {loss}, grad norm "
+            f"{grad_norm} on rank 0); {where}. The update was not applied and nothing was saved; "
+            f"{_latest_name(run)}")
+    run.logger.event(step, "nonfinite", text, echo=False, loss=str(loss),
+                     grad_norm=str(grad_norm), where=where)
+    raise DivergenceError(text)
+
+
+def _stop_spike(run: _Run, step: int, spike: Spike, rollbacks: int) -> None:
+    guards = run.config.guards
+    why = ("guards.spike_action=stop" if guards.spike_action == "stop" else
+           f"{rollbacks} rollback(s) already (guards.max_rollbacks={guards.max_rollbacks})")
+    text = (f"step {step}: loss spike, {spike}; stopping ({why}). The update was not applied "
+            f"and nothing was saved; {_latest_name(run)}")
+    run.logger.event(step, "loss_spike", text, echo=False, loss=spike.loss,
+                     moving_average=spike.average, action="stop")
+    raise DivergenceError(text)
+
+
+def _rollback(run: _Run, step: int, spike: Spike, position: int) -> TrainState:
+    """Reload the latest checkpoint (on every rank) and restart the data there; the caller skips
+    the batch at `position` when the replay reaches it."""
+    checkpoint = latest_checkpoint(run.config.checkpoint_dir)
+    if checkpoint is None:
+        text = (f"step {step}: loss spike, {spike}; no checkpoint to roll back to (set "
+                "checkpoint.interval, or guards.spike_action=stop). The update was not applied "
+                "and nothing was saved")
+        run.logger.event(step, "loss_spike", text, echo=False, loss=spike.loss,
+                         moving_average=spike.average, action="stop")
+        raise DivergenceError(text)
+    state = load_checkpoint(checkpoint, run.model, run.engine, run.config)
+    run.batches = run.batches_from(state.consumed_samples)
+    batch_size = run.config.training.global_batch_size
+    run.logger.event(step, "rollback",
+                     f"step {step}: loss spike, {spike}; rolled back to {checkpoint} (step "
+                     f"{state.iteration}); the batch of samples {position}..."
+                     f"{position + batch_size - 1} will be skipped",
+                     loss=spike.loss, moving_average=spike.average, checkpoint=str(checkpoint),
+                     resumed_step=state.iteration,
+                     skipped_samples=[position, position + batch_size])
+    return state
 
 
 def _every(step: int, interval: int) -> bool:

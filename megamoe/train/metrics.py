@@ -5,7 +5,8 @@ Every step appends one JSON object to OUTPUT_DIR/metrics.jsonl: `step`, `loss`, 
 `megamoe.balancing.step_balancing` (`moe/layer{n}/maxvio_global`, `.../experts_per_token`,
 `.../dropped_fraction`, `.../load` as a list of per-expert fractions, ...). A resumed run appends
 to the same file, so a step may appear twice after a crash; readers keep the last record of each
-step (tools/plot_expert_load.py does). Every `logging.interval` steps a line goes to the console
+step (tools/plot_expert_load.py does). Lines with an `event` key are not step metrics but what
+happened to the run (`nonfinite`, `loss_spike`, `rollback`; see megamoe.train.guards). Every `logging.interval` steps a line goes to the console
 and the scalars to TensorBoard (OUTPUT_DIR/tensorboard) and wandb (online when an API key is
 configured, else offline into OUTPUT_DIR/wandb).
 """
@@ -97,6 +98,18 @@ class MetricsLogger:
             self.tensorboard.flush()
         if self.wandb_run is not None:
             self.wandb_run.log(scalars, step=step)
+
+    def event(self, step: int, event: str, text: str, echo: bool = True, **fields) -> None:
+        """Something that happened to the run at `step` (a guard tripped, a rollback): one JSON
+        line `{"step", "event", "message", ...}` in metrics.jsonl and, if `echo`, `text` on the
+        console (a run that stops says it in its error line instead)."""
+        if not self.active:
+            return
+        self.jsonl.write(json.dumps({"step": step, "event": event, "message": text,
+                                     **fields}) + "\n")
+        self.jsonl.flush()
+        if echo:
+            self.message(text)
 
     def message(self, text: str) -> None:
         """A line for the user (rank 0), kept clear of the progress bar."""

@@ -4,8 +4,10 @@
 bytes, read in 4 MiB chunks) except itself. It is written after every rank has finished
 writing and before the folder is renamed into place, so a folder with a manifest is complete
 by construction; `verify_folder` then reports the first file that is missing, unlisted,
-truncated or changed. Under torch.distributed the files are split over the ranks (each checks
-every world-size-th file) and the results gathered, so every rank returns the same answer.
+truncated or changed. With `collective=True` (every rank of the default process group calls
+together, as a training run does) the files are split over the ranks (each checks every
+world-size-th file) and the results gathered, so every rank returns the same answer; otherwise
+one process does all the work (the upcycler, which may run on one rank of a larger job).
 """
 from __future__ import annotations
 
@@ -38,27 +40,25 @@ def _files(folder: Path) -> list[str]:
                   if p.is_file() and p.name != MANIFEST_FILE)
 
 
-def _my_share(items: list[str]) -> list[str]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return items
-    return items[dist.get_rank()::dist.get_world_size()]
+def _my_share(items: list[str], collective: bool) -> list[str]:
+    return items[dist.get_rank()::dist.get_world_size()] if collective else items
 
 
-def _gather(part):
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+def _gather(part, collective: bool):
+    if not collective or dist.get_world_size() == 1:
         return [part]
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, part)
     return parts
 
 
-def write_manifest(folder: str | os.PathLike) -> None:
-    """Checksum every file in `folder` (on every rank together) and write the manifest (rank 0)."""
+def write_manifest(folder: str | os.PathLike, collective: bool = False) -> None:
+    """Checksum every file in `folder` and write the manifest (on rank 0 when `collective`)."""
     folder = Path(folder)
     mine = {name: {"size": (folder / name).stat().st_size, "crc32": file_crc32(folder / name)}
-            for name in _my_share(_files(folder))}
-    files = {name: entry for part in _gather(mine) for name, entry in part.items()}
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+            for name in _my_share(_files(folder), collective)}
+    files = {name: entry for part in _gather(mine, collective) for name, entry in part.items()}
+    if not collective or dist.get_rank() == 0:
         atomic_write_text(folder / MANIFEST_FILE, json.dumps(
             {"format": MANIFEST_FORMAT, "algorithm": "crc32", "files": dict(sorted(files.items()))},
             indent=1) + "\n")
@@ -97,7 +97,7 @@ def _check(folder: Path, name: str, entry: dict) -> Optional[str]:
     return None
 
 
-def verify_folder(folder: str | os.PathLike) -> Optional[str]:
+def verify_folder(folder: str | os.PathLike, collective: bool = False) -> Optional[str]:
     """None if every file of `folder` matches its manifest, else one line naming the first
     bad file. A folder without a manifest raises FileNotFoundError (the caller decides)."""
     folder = Path(folder)
@@ -110,7 +110,7 @@ def verify_folder(folder: str | os.PathLike) -> Optional[str]:
     unlisted = sorted(set(_files(folder)) - set(files))
     if unlisted:
         return f"{folder / unlisted[0]} is not listed in {MANIFEST_FILE} (added after saving)"
-    mine = [p for p in (_check(folder, name, files[name]) for name in _my_share(sorted(files)))
+    mine = [p for p in (_check(folder, name, files[name]) for name in _my_share(sorted(files), collective))
             if p is not None]
-    problems = [p for part in _gather(mine) for p in part]
+    problems = [p for part in _gather(mine, collective) for p in part]
     return problems[0] if problems else None

@@ -10,16 +10,21 @@ classes, torch sizes and dtypes, plain containers) and checks each sharded objec
 refused type is a CheckpointError naming the file and the type.
 
 Megatron-Core's torch_dist strategy builds its reader with the module function
-`megatron.core.dist_checkpointing.strategies.torch._get_filesystem_reader` (0.16.1 .. 0.19.x)
-and loads `common.pt` with `torch.load`. `load_dist_checkpoint` is megamoe's one entry to
-Megatron's `dist_checkpointing.load`: it hands Megatron a common strategy that loads through
-`load_torch_file`, and replaces `_get_filesystem_reader` for the duration of the call only (the
-one override of a Megatron function here), so every pickle Megatron reads is restricted.
+`megatron.core.dist_checkpointing.strategies.torch._get_filesystem_reader` (0.16.1 .. 0.19.x;
+0.19 also imports it by name into `serialization`) and loads `common.pt` with `torch.load`.
+`load_dist_checkpoint` is megamoe's one entry to Megatron's `dist_checkpointing.load`: it reads
+`.metadata` and the common state through the allow-lists first, hands Megatron a common strategy
+that loads through `load_torch_file` (0.16, whose `load` takes one), and replaces
+`_get_filesystem_reader` for the duration of the call only (the one override of a Megatron
+function here), so every pickle Megatron reads is restricted. Megatron-Core 0.19 writes the
+common state as the sharded object `common_state` instead of `common.pt`; `load_common_state`
+reads either.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import io
 import os
 import pickle
@@ -36,6 +41,8 @@ from megamoe.checkpointing.torch_files import (first_line, load_torch_bytes, loa
 from megamoe.errors import CheckpointError, MegaMoEError
 
 COMMON_FILE = "common.pt"
+# The sharded object that holds the common state in megatron-core >= 0.19 checkpoints.
+COMMON_STATE_KEY = "common_state/shard_0_1"
 # What a failing DCP / Megatron load or save raises: DCP's per-rank CheckpointException is a
 # BaseException, not an Exception.
 FAILURES = (Exception, CheckpointException)
@@ -126,28 +133,49 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 def load_common_state(directory: str | os.PathLike) -> dict:
-    """A torch_dist checkpoint's `common.pt` (the non-sharded state), weights_only."""
-    path = Path(directory) / COMMON_FILE
-    if not path.is_file():
+    """A torch_dist checkpoint's common (non-sharded) state, weights_only: `common.pt`, or the
+    sharded object `common_state` of megatron-core >= 0.19."""
+    directory = Path(directory)
+    path = directory / COMMON_FILE
+    if path.is_file():
+        common = load_torch_file(path)
+    elif COMMON_STATE_KEY in read_dcp_metadata(directory / METADATA_FILE).state_dict_metadata:
+        common = _read_common_state_object(directory)
+    else:
         raise CheckpointError(f"{path} is missing; {directory} is not a complete torch_dist "
                               "checkpoint")
-    common = load_torch_file(path)
     if not isinstance(common, dict):
         raise CheckpointError(f"{path} holds a {type(common).__name__}, not a state dict; the "
                               "checkpoint is corrupt")
     return common
 
 
+def _read_common_state_object(directory: Path) -> Any:
+    """The `common_state` sharded object (megatron-core >= 0.19), read as Megatron does, through
+    `SafeFileSystemReader`."""
+    from torch.distributed import checkpoint as dcp
+
+    state = {COMMON_STATE_KEY: io.BytesIO()}
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(directory), no_dist=True)
+    except FAILURES as err:
+        cause = _megamoe_cause(err)
+        raise cause or CheckpointError(f"{directory}: cannot read its common state "
+                                       f"({first_line(err)}); the checkpoint is corrupt") from None
+    loaded = state[COMMON_STATE_KEY]
+    if isinstance(loaded, io.BytesIO):
+        loaded = load_torch_bytes(loaded.getvalue(), f"{directory} (sharded object common_state)")
+    return loaded[0]
+
+
 @functools.lru_cache(maxsize=None)
-def _safe_megatron_classes() -> tuple[type, type]:
-    """(common load strategy, metadata-caching reader) of Megatron with restricted unpickling.
+def _safe_common_strategy() -> type:
+    """Megatron's common-state load strategy (megatron-core < 0.19) with restricted unpickling.
 
     Built on first use: importing megatron.core.dist_checkpointing is slow and noisy, and the
     upcycler's DCPReader does not need it.
     """
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
-    from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
-        CachedMetadataFileSystemReader)
     from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 
     class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
@@ -161,28 +189,41 @@ def _safe_megatron_classes() -> tuple[type, type]:
                 return load_torch_file(Path(checkpoint_dir) / f"{sh_obj.unique_key}.pt")
             return dict_list_map_inplace(load, sharded_objects_state_dict)
 
+    return SafeCommonLoadStrategy
+
+
+@functools.lru_cache(maxsize=None)
+def _safe_cached_reader() -> type:
+    """Megatron's metadata-caching DCP reader over `SafeFileSystemReader` (built on first use)."""
+    from megatron.core.dist_checkpointing.strategies.cached_metadata_filesystem_reader import (
+        CachedMetadataFileSystemReader)
+
     class SafeCachedMetadataFileSystemReader(CachedMetadataFileSystemReader,
                                              SafeFileSystemReader):
         """Megatron's metadata-caching reader over `SafeFileSystemReader`."""
 
-    return SafeCommonLoadStrategy, SafeCachedMetadataFileSystemReader
+    return SafeCachedMetadataFileSystemReader
 
 
 @contextlib.contextmanager
 def _restricted_megatron_readers() -> Iterator[None]:
+    from megatron.core.dist_checkpointing import serialization
     from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
 
-    cached_reader = _safe_megatron_classes()[1]
-    original = torch_strategy._get_filesystem_reader
+    cached_reader = _safe_cached_reader()
 
     def safe_reader(checkpoint_dir, cache_metadata: bool = False, **_):
         return (cached_reader if cache_metadata else SafeFileSystemReader)(checkpoint_dir)
 
-    torch_strategy._get_filesystem_reader = safe_reader
+    modules = [m for m in (torch_strategy, serialization) if hasattr(m, "_get_filesystem_reader")]
+    originals = [m._get_filesystem_reader for m in modules]
+    for module in modules:
+        module._get_filesystem_reader = safe_reader
     try:
         yield
     finally:
-        torch_strategy._get_filesystem_reader = original
+        for module, original in zip(modules, originals):
+            module._get_filesystem_reader = original
 
 
 def load_dist_checkpoint(request: dict, directory: str | os.PathLike, **kwargs) -> Any:
@@ -193,11 +234,13 @@ def load_dist_checkpoint(request: dict, directory: str | os.PathLike, **kwargs) 
     from megatron.core import dist_checkpointing
 
     read_dcp_metadata(Path(directory) / METADATA_FILE)
-    common_strategy = _safe_megatron_classes()[0]()
+    if "common_strategy" in inspect.signature(dist_checkpointing.load).parameters:
+        kwargs["common_strategy"] = _safe_common_strategy()()
+    else:  # megatron-core >= 0.19 reads the common state itself: check it through ours first
+        load_common_state(directory)
     try:
         with _restricted_megatron_readers():
-            return dist_checkpointing.load(request, str(directory),
-                                           common_strategy=common_strategy, **kwargs)
+            return dist_checkpointing.load(request, str(directory), **kwargs)
     except MegaMoEError:
         raise
     except FAILURES as err:

@@ -74,6 +74,11 @@ _PRE_RUN_VERIFIED: dict[Path, Optional[Path]] = {}
 _CHECKED: set[Path] = set()
 
 
+def _distributed() -> bool:
+    """Whether every rank of a run takes part (checkpoints are saved and checked together)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -124,7 +129,7 @@ def checkpoint_problem(folder: Path) -> Optional[str]:
     for name in DCP_FILES:
         if not (folder / name).is_file():
             return f"{folder / name} is missing"
-    return verify_folder(folder) if has_manifest(folder) else None
+    return verify_folder(folder, collective=_distributed()) if has_manifest(folder) else None
 
 
 def newest_verified(ckpt_dir: Path, skip: Optional[Path] = None) -> Optional[Path]:
@@ -216,7 +221,7 @@ def save_checkpoint(ckpt_dir: str | Path, state: TrainState, model: torch.nn.Mod
     try:
         dist_checkpointing.save(sharded, str(tmp))
         dist.barrier()
-        write_manifest(tmp)
+        write_manifest(tmp, collective=_distributed())
     except FAILURES as err:
         if _rank0():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -51,7 +51,7 @@ from megamoe.train.guards import (
 from megamoe.train.inputs import data_sources, training_batches
 from megamoe.train.metrics import MetricsLogger
 from megamoe.train.model import build_model, transformer_config
-from megamoe.train.progress import TrainState
+from megamoe.train.progress import TrainState, latest_checkpoint
 from megamoe.train.schedule import LRSchedule, set_learning_rate
 from megamoe.train.signals import StopRequest
 from megamoe.train.tokenizer import SentencePieceTokenizer

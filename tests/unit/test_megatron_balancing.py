@@ -3,7 +3,6 @@ inputs (routing map, gates, loss values, gradients), and its `finalize_model_gra
 megamoe's expert biases over several steps, with Megatron's MoE logging tracker."""
 import pytest
 import torch
-import torch.nn.functional as F
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear_aux_losses_tracker,
                                                      get_moe_layer_wise_logging_tracker,

@@ -39,8 +39,10 @@ def corpus_cache(tmp_path_factory):
 
 
 def _last_step(out: Path) -> int:
+    """The step of the last complete line of metrics.jsonl (the trainer may be mid-write)."""
     metrics = out / "metrics.jsonl"
-    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    text = metrics.read_text() if metrics.is_file() else ""
+    lines = text[:text.rfind("\n") + 1].splitlines()
     return json.loads(lines[-1])["step"] if lines else 0
 
 

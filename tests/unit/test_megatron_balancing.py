@@ -8,7 +8,6 @@ from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear
                                                      get_moe_layer_wise_logging_tracker,
                                                      track_moe_metrics)
 from megatron.core.transformer.moe.router import TopKRouter
-from torch import nn
 
 from megamoe import MoEConfig
 from megamoe.balancing import maxvio, step_balancing
@@ -17,6 +16,7 @@ from megamoe.megatron.models import causal_attention_mask, tiny_transformer_conf
 from megamoe.megatron.moe_module import MegatronMoELayer
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 from megamoe.megatron.specs import gpt_decoder_block_spec
+from megatron_chunk import MegatronChunk
 
 S, B, H, E = 8, 3, 16, 8
 MEGATRON_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
@@ -160,17 +160,6 @@ def test_softmax_scores_with_bias_stay_available_in_megamoe_config():
 # ---------------------------------------------------------------------------------------------
 # Megatron's finalize_model_grads as the training loop's bias update
 
-
-class MegatronChunk(nn.Module):
-    """What finalize_model_grads expects of a model chunk on one rank: `.module`, `.config` and
-    `finish_grad_sync()` (Megatron's DDP; nothing to reduce with one data-parallel rank)."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module, self.config = module, module.config
-
-    def finish_grad_sync(self, force_all_reduce=False):
-        pass
 
 
 def heterogeneous_gpt():

@@ -12,11 +12,11 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 from megatron.core.transformer.spec_utils import import_module
-from torch import nn
 
 from megamoe.megatron.models import causal_attention_mask, tiny_transformer_config
 from megamoe.megatron.moe_module import MegatronMoELayer
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
+from megatron_chunk import MegatronChunk
 
 VOCAB, SEQ, BATCH = 64, 16, 4
 
@@ -27,16 +27,6 @@ def megatron():
     yield
     teardown_megatron()
 
-
-class Chunk(nn.Module):
-    """finalize_model_grads' view of a model chunk with one data-parallel rank."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module, self.config = module, module.config
-
-    def finish_grad_sync(self, force_all_reduce=False):
-        pass
 
 
 def deepseek_like_config():
@@ -73,7 +63,7 @@ def train_steps(model, steps, capture):
         loss = model(tokens, positions, causal_attention_mask(SEQ), labels=tokens).mean()
         optimizer.zero_grad()
         loss.backward()
-        finalize_model_grads([Chunk(model)])
+        finalize_model_grads([MegatronChunk(model)])
         optimizer.step()
         losses.append(float(loss.detach()))
         maps.append(list(capture))

@@ -261,6 +261,70 @@ def _patch_sequence_parallel_norm() -> None:
     WrappedTorchNorm.__new__ = staticmethod(new_with_sequence_parallel)
 
 
+def _patch_checkpoint_without_output() -> None:
+    """Output-discarding recomputation without Transformer Engine (0.16.1, 0.19.2:
+    `tensor_parallel/random.py`).
+
+    `CheckpointWithoutOutput.__init__` sets `self.fp8 = fp8 is not None`, true for the default
+    `fp8=False`, so selective recompute of `layernorm` (and `moe_act`) reaches Transformer
+    Engine's `FP8GlobalStateManager`, a NameError without it. Without Transformer Engine there
+    is no fp8: the flag is cleared after construction.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if getattr(mrandom, "HAVE_TE", False):
+        return
+    init = mrandom.CheckpointWithoutOutput.__init__
+
+    def init_without_fp8(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.fp8 = False
+
+    mrandom.CheckpointWithoutOutput.__init__ = init_without_fp8
+
+
+def _patch_empty_optimizer_state() -> None:
+    """Checkpoints of a distributed optimizer with no parameters on this rank, with torch's
+    Adam (0.16.1: `optimizer/distrib_optimizer.py`; without apex or Transformer Engine).
+
+    Every rank builds the expert optimizer (its norm is reduced over all of them), so a pipeline
+    stage without MoE layers (dense-first layers) holds one with no parameters and no state.
+    `DistributedOptimizer.state_dict` then asserts on its empty step set, and the step it
+    records is what rank 0's common state carries into every loading rank. Here such an
+    optimizer reports the step of its ChainedOptimizer's other optimizers (all step together).
+    """
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    if HAVE_APEX_OR_TE:
+        return
+    state_dict = DistributedOptimizer.state_dict
+
+    def state_dict_allowing_empty(self):
+        if self.optimizer is None or self.optimizer.state:
+            return state_dict(self)
+        step = getattr(self, "chained_step", 0)
+        groups = [{**{k: v for k, v in group.items() if k != "params"}, "step": step}
+                  for group in self.optimizer.state_dict()["param_groups"]]
+        result = {"optimizer": {"param_groups": groups}}
+        if self.grad_scaler:
+            result["grad_scaler"] = self.grad_scaler.state_dict()
+        return result
+
+    sharded_state_dict = ChainedOptimizer.sharded_state_dict
+
+    def sharded_state_dict_sharing_step(self, *args, **kwargs):
+        steps = {float(state["step"]) for optimizer in self.chained_optimizers
+                 if getattr(optimizer, "optimizer", None) is not None
+                 for state in optimizer.optimizer.state.values()}
+        for optimizer in self.chained_optimizers:
+            optimizer.chained_step = max(steps, default=0.0)
+        return sharded_state_dict(self, *args, **kwargs)
+
+    DistributedOptimizer.state_dict = state_dict_allowing_empty
+    ChainedOptimizer.sharded_state_dict = sharded_state_dict_sharing_step
+
+
 def _without_sequence_parallel(config):
     """A shallow copy of `config` with `sequence_parallel=False` (no re-validation)."""
     plain = copy.copy(config)
@@ -277,6 +341,8 @@ _OVERRIDES: dict[str, Callable[[], None]] = {
     "checkpoint_save": _patch_checkpoint_save,
     "te_general_gemm": _patch_missing_te_general_gemm,
     "sequence_parallel_norm": _patch_sequence_parallel_norm,
+    "checkpoint_without_output": _patch_checkpoint_without_output,
+    "empty_optimizer_state": _patch_empty_optimizer_state,
 }
 
 

@@ -42,7 +42,10 @@ from megamoe.megatron.models import causal_attention_mask
 from megamoe.train.config import TrainConfig
 from megamoe.train.data import Batch
 
-OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+# Keys of the optimizer state are the parameters' own (no `chained_N.` prefix): the number and
+# order of chained optimizers differ between layouts (a stage without experts has an empty one).
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable",
+                      "chained_optim_avoid_prefix": True}
 
 
 def _lm_loss(loss_mask_BS: torch.Tensor, losses_BS: torch.Tensor):

@@ -58,7 +58,9 @@ def megatron_moe_layer(config, peer: str = "sequential"):
     spec = get_moe_module_spec(use_te=peer == "te_grouped", num_experts=config.num_moe_experts,
                                moe_grouped_gemm=grouped, **legacy)
     config = dataclasses.replace(config, moe_grouped_gemm=grouped)
-    return build_module(spec, config=config) if isinstance(spec, ModuleSpec) else spec(config=config)
+    if isinstance(spec, ModuleSpec):
+        return build_module(spec, config=config)
+    return spec(config=config)
 
 
 def time_fwd_bwd(layers, x, warmup, iters):

@@ -283,21 +283,48 @@ def _patch_checkpoint_without_output() -> None:
     mrandom.CheckpointWithoutOutput.__init__ = init_without_fp8
 
 
-def _patch_empty_optimizer_state() -> None:
-    """Checkpoints of a distributed optimizer with no parameters on this rank, with torch's
-    Adam (0.16.1: `optimizer/distrib_optimizer.py`; without apex or Transformer Engine).
+def _patch_torch_adam_checkpoints() -> None:
+    """Distributed-optimizer checkpoints with torch's Adam, which keeps its step in the
+    per-parameter state (0.16.1, 0.19.2: `optimizer/distrib_optimizer.py`; without apex or
+    Transformer Engine, whose fused Adam keeps it in the parameter groups).
 
-    Every rank builds the expert optimizer (its norm is reduced over all of them), so a pipeline
-    stage without MoE layers (dense-first layers) holds one with no parameters and no state.
-    `DistributedOptimizer.state_dict` then asserts on its empty step set, and the step it
-    records is what rank 0's common state carries into every loading rank. Here such an
-    optimizer reports the step of its ChainedOptimizer's other optimizers (all step together).
+    - Loading: `load_state_dict` gives every parameter's state the same `step` tensor, which
+      torch's Adam then increments in place once per parameter and step (after a resume the
+      bias correction runs ahead): each parameter gets its own copy. And
+      `_set_main_param_and_optimizer_states` copies every state entry, `step` included, from
+      the checkpoint's tensors, which hold no `step` (it comes from the parameter groups): a
+      KeyError. The step is left out of that copy.
+    - Saving: every rank builds the expert optimizer (its norm is reduced over all of them), so
+      a pipeline stage without MoE layers (dense-first layers) holds one with no parameters and
+      no state. `DistributedOptimizer.state_dict` asserts on its empty step set, and the step it
+      records is what rank 0's common state carries into every loading rank. Such an optimizer
+      reports the step of its ChainedOptimizer's other optimizers (all step together).
     """
     from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 
     if HAVE_APEX_OR_TE:
         return
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states_but_step(self, model_param, tensors):
+        group, order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+        step = state.pop("step", None)
+        try:
+            set_states(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    load_state_dict = DistributedOptimizer.load_state_dict
+
+    def load_state_dict_with_own_steps(self, state_dict):
+        load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values() if self.optimizer is not None else ():
+            if "step" in state:
+                state["step"] = state["step"].clone()
+
     state_dict = DistributedOptimizer.state_dict
 
     def state_dict_allowing_empty(self):
@@ -321,6 +348,8 @@ def _patch_empty_optimizer_state() -> None:
             optimizer.chained_step = max(steps, default=0.0)
         return sharded_state_dict(self, *args, **kwargs)
 
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states_but_step
+    DistributedOptimizer.load_state_dict = load_state_dict_with_own_steps
     DistributedOptimizer.state_dict = state_dict_allowing_empty
     ChainedOptimizer.sharded_state_dict = sharded_state_dict_sharing_step
 
@@ -342,7 +371,7 @@ _OVERRIDES: dict[str, Callable[[], None]] = {
     "te_general_gemm": _patch_missing_te_general_gemm,
     "sequence_parallel_norm": _patch_sequence_parallel_norm,
     "checkpoint_without_output": _patch_checkpoint_without_output,
-    "empty_optimizer_state": _patch_empty_optimizer_state,
+    "torch_adam_checkpoints": _patch_torch_adam_checkpoints,
 }
 
 

@@ -109,8 +109,8 @@ class Engine:
         """All micro-batches of one step through Megatron's schedule (gradients finalised).
         Returns [sum of token losses, tokens] of this rank: zeros off the last pipeline stage and
         on tensor-parallel ranks but the first (they hold the same loss), so the sum over all
-        ranks counts every token once. Every model chunk reads the step's micro-batches (a pipeline stage uses what it needs:
-        the first the tokens, the last the labels)."""
+        ranks counts every token once. Every model chunk reads the step's micro-batches (a
+        pipeline stage uses what it needs: the first the tokens, the last the labels)."""
         step_batches = [next(batches) for _ in range(num_microbatches)]
         for ddp in self.ddp:
             ddp.train()

@@ -7,8 +7,9 @@ per process). Every run starts from the same initial weights (`checkpoint.init_f
 by the single-process job), so a layout changes nothing but how the work is split.
 
 A run's result: the per-step losses and gradient norms of metrics.jsonl, and every rank's
-expert biases (name -> tensor) at the end. Its checkpoints (at RESUME_AT and the end) stay in
-its output folder, where the single-process job later loads the final weights of every layout.
+expert biases (name -> tensor) at the end. Its checkpoints (at the end, and at RESUME_AT for
+the runs resumes start from) stay in its output folder, where the single-process job later
+loads the final weights of every layout.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 STEPS = 4
-RESUME_AT = 2  # every run checkpoints here (resumes start from it) and at the end
+RESUME_AT = 2  # the runs that resumes start from checkpoint here; every run at its end
+RESUME_SOURCES = ("tp2_sp", "pp2", "dp2_ep2", "tp2_pp2_ep2")
 
 BASE = {
     "model": {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
@@ -32,7 +34,7 @@ BASE = {
     "training": {"train_steps": STEPS, "micro_batch_size": 1, "global_batch_size": 4,
                  "grad_clip": 1.0},
     "optimizer": {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_steps": 2},
-    "checkpoint": {"interval": RESUME_AT},
+    "checkpoint": {"interval": 0},
     "logging": {"interval": 1, "progress_bar": False, "tensorboard": False},
 }
 
@@ -49,8 +51,9 @@ LAYOUTS = {
     "tp2_pp2_ep2": (4, {"tensor": 2, "pipeline": 2, "expert": 2}),
 }
 RECOMPUTE = {"recompute_full": {"recompute": "full"},
-             "recompute_selective": {"recompute": "selective",
-                                     "recompute_modules": ["core_attn", "layernorm", "mlp"]}}
+             "recompute_selective_mlp": {"recompute": "selective",
+                                         "recompute_modules": ["core_attn", "layernorm", "mlp"]},
+             "recompute_selective_moe": {"recompute": "selective", "recompute_modules": ["moe"]}}
 
 
 def config_dict(data: dict, out: str, parallel: dict, training: dict = None,
@@ -60,6 +63,8 @@ def config_dict(data: dict, out: str, parallel: dict, training: dict = None,
     raw["data"] = dict(data)
     raw["parallel"] = dict(parallel)
     raw["training"].update(training or {})
+    if Path(out).name in RESUME_SOURCES:
+        raw["checkpoint"]["interval"] = RESUME_AT
     if init_from:
         raw["checkpoint"]["init_from"] = init_from
     return raw

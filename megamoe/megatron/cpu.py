@@ -375,6 +375,15 @@ _OVERRIDES: dict[str, Callable[[], None]] = {
 }
 
 
+def fix_torch_adam_checkpoints() -> None:
+    """The torch-Adam checkpoint overrides (`_patch_torch_adam_checkpoints`) on any device:
+    they apply wherever Megatron-Core falls back to torch's Adam (no apex, no Transformer
+    Engine), GPUs included. Idempotent."""
+    if "torch_adam_checkpoints" not in _APPLIED:
+        _patch_torch_adam_checkpoints()
+        _APPLIED.append("torch_adam_checkpoints")
+
+
 def enable_megatron_on_cpu() -> list[str]:
     """Apply the CPU overrides to the imported megatron-core; return the names applied so far.
 

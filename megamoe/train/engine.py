@@ -37,7 +37,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
-from megamoe.megatron.cpu import cuda_as_cpu
+from megamoe.megatron.cpu import cuda_as_cpu, fix_torch_adam_checkpoints
 from megamoe.megatron.models import causal_attention_mask
 from megamoe.train.config import TrainConfig
 from megamoe.train.data import Batch
@@ -65,6 +65,7 @@ class Engine:
                  config: TrainConfig, on_cuda: bool) -> None:
         self.config = config
         self.on_cuda = on_cuda
+        fix_torch_adam_checkpoints()
         # Megatron's local attention builds its default causal mask on CUDA: pass one on CPU.
         self.mask = None if on_cuda else causal_attention_mask(config.model.seq_length)
         with self.device_context():

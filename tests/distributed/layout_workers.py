@@ -7,7 +7,7 @@ per process). Every run starts from the same initial weights (`checkpoint.init_f
 by the single-process job), so a layout changes nothing but how the work is split.
 
 A run's result: the per-step losses and gradient norms of metrics.jsonl, and every rank's
-expert biases (name -> tensor) at the end. Its checkpoints (at the end, and at RESUME_AT for
+expert biases ("layer N", global and 1-based -> tensor) at the end. Its checkpoints (at the end, and at RESUME_AT for
 the runs resumes start from) stay in its output folder, where the single-process job later
 loads the final weights of every layout.
 """
@@ -96,8 +96,9 @@ def train(raw: dict) -> dict:
             loop._train(run, StopRequest())
         finally:
             run.logger.close()
-        biases = {name: buf.detach().clone() for name, buf in run.model.named_buffers()
-                  if name.endswith("expert_bias")}
+        biases = {f"layer {module.layer_number}": module.expert_bias.detach().clone()
+                  for module in run.model.modules()
+                  if getattr(module, "expert_bias", None) is not None}
     finally:
         teardown_megatron()
     result = {"biases": biases}

@@ -142,13 +142,12 @@ def _check_biases_replicated(ranks, name):
     """Every rank holding a layer's router has the same expert bias."""
     seen: dict[str, torch.Tensor] = {}
     for rank, result in enumerate(ranks):
-        for key, bias in result[name]["biases"].items():
-            layer_key = key.split("decoder.layers.")[-1]
-            if layer_key in seen:
-                torch.testing.assert_close(bias, seen[layer_key], rtol=0, atol=0,
-                                           msg=lambda m: f"{name} rank {rank} {key}: {m}")
-            seen[layer_key] = bias
-    assert seen, f"{name}: no expert biases"
+        for layer, bias in result[name]["biases"].items():
+            if layer in seen:
+                torch.testing.assert_close(bias, seen[layer], rtol=0, atol=0,
+                                           msg=lambda m: f"{name} rank {rank} {layer}: {m}")
+            seen[layer] = bias
+    assert sorted(seen) == ["layer 2", "layer 3", "layer 4"], f"{name}: {sorted(seen)}"
 
 
 @pytest.mark.parametrize("name", [*lw.LAYOUTS, *lw.RECOMPUTE])

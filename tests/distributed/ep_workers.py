@@ -170,7 +170,7 @@ def _layer_part(pgs, rank: int, world_size: int, ckpt_dir: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# GPTModel training at EP=R x DP=R
+# GPTModels of megamoe and Megatron-Core layers
 
 
 VOCAB, SEQ, GLOBAL_BATCH = 64, 16, 4
@@ -222,13 +222,6 @@ def _lm_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _lm_loss(model, tokens, labels):
-    from megamoe.megatron.models import causal_attention_mask
-
-    position_ids = torch.arange(SEQ).expand(tokens.shape[0], -1)
-    return model(tokens, position_ids, causal_attention_mask(SEQ), labels=labels).mean()
-
-
 def _megamoe_gpt(config, layer_overrides=None):
     from megamoe.megatron.models import build_gpt
     from megamoe.megatron.specs import gpt_decoder_block_spec
@@ -244,42 +237,6 @@ def _megatron_gpt(config):
 
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     return build_gpt(config, spec, vocab_size=VOCAB, seq_len=SEQ)
-
-
-def _gpt_part(pgs, rank: int, world_size: int, ckpt_dir: str, steps: int = 30) -> list[float]:
-    """Losses of the global batch over `steps` AdamW steps; each rank trains on its share of the
-    batch, gradients averaged over data parallelism as Megatron's DDP does (experts over
-    expert-data parallelism, scaled by the data-parallel size)."""
-    from megatron.core import parallel_state
-
-    from megamoe.balancing import step_balancing
-    from megamoe.parallel import TorchComm
-
-    # The second layer uses the global aux loss and the all-gather dispatcher.
-    model = _megamoe_gpt(_gpt_config(), layer_overrides={
-        1: {"balancing": "global_aux_loss", "score_function": "softmax", "dispatcher": "allgather"}})
-    _fill_weights(model, pgs.ep.rank(), seed=99)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    dp_group = parallel_state.get_data_parallel_group()
-    expt_dp_group = parallel_state.get_expert_data_parallel_group()
-    replica_comm = TorchComm(pgs.tp_dp_cp)
-    share = GLOBAL_BATCH // world_size
-    losses = []
-    for step in range(steps):
-        tokens, labels = (t[rank * share:(rank + 1) * share] for t in _lm_batch(step))
-        loss = _lm_loss(model, tokens, labels)
-        loss.backward()
-        for param in model.parameters():
-            group = dp_group if getattr(param, "allreduce", True) else expt_dp_group
-            dist.all_reduce(param.grad, group=group)
-            param.grad /= world_size
-        optimizer.step()
-        optimizer.zero_grad()
-        step_balancing(model, replica_comm)
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss, group=dp_group)
-        losses.append(float(global_loss) / world_size)
-    return losses
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,7 +365,7 @@ def _rejects_part(pgs, rank: int, world_size: int, ckpt_dir: str) -> dict:
     return messages
 
 
-PARTS = {"layers": _layer_part, "gpt": _gpt_part, "save": _save_part, "load": _load_part,
+PARTS = {"layers": _layer_part, "save": _save_part, "load": _load_part,
          "rejects": _rejects_part}
 
 

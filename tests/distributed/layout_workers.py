@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -85,6 +86,7 @@ def train(raw: dict) -> dict:
     from megamoe.train.config import config_from_dict
     from megamoe.train.signals import StopRequest
 
+    start = time.monotonic()
     config = config_from_dict(raw)
     p = config.parallel
     setup_megatron(tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline,
@@ -101,7 +103,7 @@ def train(raw: dict) -> dict:
                   if getattr(module, "expert_bias", None) is not None}
     finally:
         teardown_megatron()
-    result = {"biases": biases}
+    result = {"biases": biases, "seconds": time.monotonic() - start}
     if dist.get_rank() == 0:
         records = [json.loads(line) for line in
                    (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -22,6 +22,8 @@ from ep_harness import spawn
 
 TOL = 1e-4
 RUN_TIMEOUT_S = 420
+# The first test builds every session fixture (all spawns, ~5 minutes on 2 quiet cores).
+pytestmark = pytest.mark.timeout(1800)
 TIMINGS: dict[str, float] = {}
 
 
@@ -162,7 +164,7 @@ def test_layout_trains_as_one_process(everything, name):
     weight_diffs = everything[3][0]["weight_diffs"][name]
     weight_diff = max(weight_diffs.values())
     print(f"\nLAYOUT {name}: processes {len(ranks)}, max loss diff {loss_diff:.2e}, max grad "
-          f"norm diff {norm_diff:.2e}, max weight diff {weight_diff:.2e}")
+          f"norm diff {norm_diff:.2e}, max weight diff {weight_diff:.2e}, run {got['seconds']:.1f} s")
     assert reference["losses"][-1] < reference["losses"][0]  # the model learns
     assert loss_diff <= TOL, (got["losses"], reference["losses"])
     assert norm_diff <= TOL, (got["grad_norms"], reference["grad_norms"])
@@ -196,7 +198,8 @@ def test_resharding_resume_continues_the_run(everything, name):
     assert got["steps"] == list(range(first, last + 1))
     expected = uninterrupted["losses"][first - 1:last]
     diff = _max_diff(got["losses"], expected)
-    print(f"\nRESUME {name}: max loss diff {diff:.2e} vs {uninterrupted_name}")
+    print(f"\nRESUME {name}: max loss diff {diff:.2e} vs {uninterrupted_name}, run "
+          f"{got['seconds']:.1f} s")
     assert diff <= TOL, (got["losses"], expected)
     norm_diff = _max_diff(got["grad_norms"], uninterrupted["grad_norms"][first - 1:last])
     assert norm_diff <= TOL

@@ -55,12 +55,14 @@ class LoadTracker:
         return self.selected_E is None
 
     def record(self, selected_TE: torch.Tensor, routing_map_TE: torch.Tensor,
-               probs_TE: Optional[torch.Tensor] = None) -> None:
-        """Add one micro-batch's selection, dispatch map and (optionally) router scores."""
+               probs_TE: Optional[torch.Tensor] = None,
+               tokens_T: Optional[torch.Tensor] = None) -> None:
+        """Add one micro-batch's selection, dispatch map and (optionally) router scores and
+        non-padding tokens (default: the tokens routed to at least one expert)."""
         selected_E = selected_TE.sum(0, dtype=torch.float32)
         routed_E = routing_map_TE.sum(0, dtype=torch.float32)
         per_token_T = selected_TE.sum(1)
-        real_T = per_token_T > 0
+        real_T = per_token_T > 0 if tokens_T is None else tokens_T
         tokens = real_T.sum(dtype=torch.float32)
         per_token_real = per_token_T[real_T].to(torch.float32)
         max_gate = tokens * 0

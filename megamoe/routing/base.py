@@ -30,6 +30,8 @@ class Routing:
     probs_TE: the router's distribution over experts (softmax, or sigmoid normalised per token),
         the P of the balance losses.
     logits_TE: raw router logits (z-loss).
+    tokens_T: the tokens that are not padding (bool), or None for all; a real token may be
+        routed to no expert (expert-threshold routing).
     """
 
     selected_TE: torch.Tensor
@@ -37,6 +39,7 @@ class Routing:
     gates_TE: torch.Tensor
     probs_TE: torch.Tensor
     logits_TE: torch.Tensor
+    tokens_T: Optional[torch.Tensor] = None
 
     def with_map(self, routing_map_TE: torch.Tensor) -> "Routing":
         """The same routing with a smaller dispatch map (gates zeroed off it)."""
@@ -111,7 +114,9 @@ class Router(nn.Module):
             keep_T1 = ~padding_mask_T.reshape(-1, 1)
             selected_TE = selected_TE & keep_T1
             gates_TE = gates_TE * keep_T1
-        return Routing(selected_TE, selected_TE, gates_TE, probs_TE, logits_TE)
+        tokens_T = real_T if real_T is not None else torch.ones(
+            logits_TE.shape[0], dtype=torch.bool, device=logits_TE.device)
+        return Routing(selected_TE, selected_TE, gates_TE, probs_TE, logits_TE, tokens_T)
 
     def jitter(self, x_TD: torch.Tensor) -> torch.Tensor:
         """Training only: x * U(1 - eps, 1 + eps), the input jitter of the Switch Transformer
@@ -160,7 +165,8 @@ class Router(nn.Module):
         it is a kept training forward."""
         if not self.counts_this_forward():
             return
-        self.load.record(routing.selected_TE, routing.routing_map_TE, routing.probs_TE)
+        self.load.record(routing.selected_TE, routing.routing_map_TE, routing.probs_TE,
+                         routing.tokens_T)
         self.load.record_losses(losses)
         if self.bias_E is not None:
             self._add_megatron_counts(routing.selected_TE.sum(0, dtype=torch.float32))

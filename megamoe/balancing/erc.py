@@ -10,10 +10,10 @@ E (E - 1) pairs j != i (alpha `erc_margin`). The cost, E^2 projections of one ve
 depend on the batch size; the loss works with any router.
 
 Expert parallelism: each rank computes the columns of its local experts (differentiable) and
-gathers the others' (detached), so every rank holds the same loss. The router weight is
-replicated and its gradient averaged over its replicas, where each rank holds only its columns'
-share: the proxies carry that gradient times the group size, so the average is the full
-gradient. Expert weights get their exact gradient on their own rank.
+gathers the others' (detached), so every rank holds the same loss. Data-parallel gradient
+averaging divides by the data-parallel size, yet each rank holds only its columns' share of
+this replicated loss: the local columns carry their gradient times the expert-parallel size,
+so the averaged router and expert gradients are exactly those of the loss at EP=1.
 
 Shape legend: E experts, L local experts, D hidden, F fc1 output width.
 """
@@ -30,7 +30,6 @@ def proxy_tokens(router_ED: torch.Tensor, noise: float, comm: Comm) -> torch.Ten
                                                                           1.0 + noise)
     if comm.size > 1:
         factor_ED = comm.all_gather(factor_ED)[0]
-        router_ED = router_ED + (comm.size - 1) * (router_ED - router_ED.detach())
     return router_ED * factor_ED.to(router_ED.dtype)
 
 
@@ -59,5 +58,5 @@ def erc_loss(router_ED: torch.Tensor, fc1_LFD: torch.Tensor, noise: float, margi
     if comm.size == 1:
         return coupling_hinges(local_EL, margin)
     columns = comm.all_gather(local_EL.detach())
-    columns[comm.rank] = local_EL
+    columns[comm.rank] = local_EL + (comm.size - 1) * (local_EL - local_EL.detach())
     return coupling_hinges(torch.cat(columns, dim=1), margin)

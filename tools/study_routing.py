@@ -2,6 +2,7 @@
 paper's claim holds at this scale.
 
     python tools/study_routing.py [--out docs/study_routing] [--quick] [--variants a,b,...]
+                                  [--runs DIR]
 
 Every variant trains the study's default model (a 4-layer GPT, first layer dense, 3 MoE layers
 of 8 experts, on the embedded corpus with 5% of its documents held out) with the same seed and
@@ -9,7 +10,9 @@ data order through the public entry `python -m megamoe.train --config BASE key=v
 process at a time, and is read back from its metrics.jsonl. The study writes, atomically,
 OUT/study.md and OUT/study.json (the table and the claims), OUT/*.png (held-out loss, MaxVio
 global and per micro-batch per layer, experts per token per layer, dropped tokens, step time)
-and OUT/base.yaml; the runs themselves train in a temporary folder that is removed. Each claim is printed as
+and OUT/base.yaml; the runs themselves train in a temporary folder that is removed, or in
+`--runs DIR`, where a variant whose run already finished is read back
+instead of trained again, so an interrupted study resumes. Each claim is printed as
 one line saying whether it held. `--quick` (CI) trains a few steps of a smaller batch: it checks
 the pipeline, not the claims.
 
@@ -46,19 +49,20 @@ TAIL = 50  # steps averaged for the table ("last 50 steps")
 BASE_CONFIG = {
     "model": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
               "ffn_hidden_size": 256, "seq_length": 64, "first_k_dense": 1},
+    # 1024 tokenizer pieces: the output layer would otherwise dominate the step on 2 cores.
     "moe": {"num_experts": 8, "ffn_hidden_size": 64, "topk": 2, "score_function": "softmax",
             "balancing": "aux_loss", "aux_loss_coeff": 1.0e-2},
-    "data": {"split": "95,5,0"},
-    "training": {"train_steps": 200, "micro_batch_size": 32, "global_batch_size": 64,
+    "data": {"split": "95,5,0", "vocab_size": 1024},
+    "training": {"train_steps": 100, "micro_batch_size": 32, "global_batch_size": 64,
                  "seed": 1234},
-    "optimizer": {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_steps": 20, "decay_style": "cosine"},
+    "optimizer": {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_steps": 12, "decay_style": "cosine"},
     "checkpoint": {"interval": 0},
-    "logging": {"interval": 50, "tensorboard": False, "progress_bar": False},
-    "evaluation": {"interval": 25, "batches": 4},
+    "logging": {"interval": 20, "tensorboard": False, "progress_bar": False},
+    "evaluation": {"interval": 20, "batches": 2},
 }
-QUICK = ["training.train_steps=6", "training.micro_batch_size=8", "training.global_batch_size=16",
-         "evaluation.interval=3", "evaluation.batches=1", "optimizer.warmup_steps=2",
-         "moe.threshold_warmup_steps=2"]
+QUICK = ["training.train_steps=3",  # keep in step with `train` "training.micro_batch_size=4", "training.global_batch_size=8",
+         "evaluation.interval=3", "evaluation.batches=1", "optimizer.warmup_steps=1",
+         "moe.threshold_warmup_steps=1"]
 
 SHARED = ["moe.shared_expert_ffn_size=64"]
 VARIANTS: dict[str, tuple[str, list[str]]] = {
@@ -70,7 +74,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
                     ["moe.topk=1", "moe.pre_softmax=true", *SHARED]),
     "threshold": ("expert threshold (1 expert/token target) + shared expert, no aux loss",
                   ["moe.router_type=threshold", "moe.score_function=sigmoid", "moe.topk=1",
-                   "moe.balancing=none", "moe.threshold_warmup_steps=30", *SHARED]),
+                   "moe.balancing=none", "moe.threshold_warmup_steps=20", *SHARED]),
     "sinkhorn": ("Sinkhorn top-2, no aux loss", ["moe.router_type=sinkhorn",
                                                  "moe.balancing=none"]),
     "base": ("BASE layers (balanced top-1), no aux loss",
@@ -85,18 +89,31 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
 }
 
 
-def train(name: str, base_yaml: Path, runs: Path, quick: bool) -> Path:
-    """Train one variant through the public entry point; returns its output folder."""
+def finished(out: Path, steps: int) -> bool:
+    """True when `out` holds a run that logged its last step."""
+    metrics = out / "metrics.jsonl"
+    return metrics.is_file() and any(r["step"] == steps for r in read_metrics(out))
+
+
+def train(name: str, base_yaml: Path, runs: Path, quick: bool) -> Path | None:
+    """Train one variant through the public entry point; returns its output folder, or None
+    (and says why) when the run failed."""
     out = runs / name
     overrides = [f"output_dir={out}", *VARIANTS[name][1], *(QUICK if quick else [])]
+    steps = 3 if quick else BASE_CONFIG["training"]["train_steps"]
+    if finished(out, steps):
+        print(f"[{name}] reusing the finished run in {out}", flush=True)
+        return out
+    shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1"}
     command = [sys.executable, "-m", "megamoe.train", "--config", str(base_yaml), *overrides]
     print(f"[{name}] {' '.join(overrides[1:]) or '(base config)'}", flush=True)
     started = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"study_routing: variant {name} failed (exit {done.returncode}):\n"
-                         f"{done.stderr.strip()[-2000:]}")
+        print(f"[{name}] FAILED (exit {done.returncode}): {done.stderr.strip()[-2000:]}",
+              file=sys.stderr, flush=True)
+        return None
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
     print(f"[{name}] trained in {time.perf_counter() - started:.0f} s", flush=True)
     return out
@@ -279,6 +296,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(ROOT / "docs" / "study_routing"))
     parser.add_argument("--quick", action="store_true", help="a few steps per variant (CI)")
+    parser.add_argument("--runs", help="train (and reuse finished runs) here, kept afterwards")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated subset of {','.join(VARIANTS)}")
     args = parser.parse_args(argv)
@@ -295,24 +313,31 @@ def main(argv=None) -> int:
         base_yaml = work / "base.yaml"
         base_yaml.write_text(yaml.safe_dump(BASE_CONFIG, sort_keys=False))
         started = time.perf_counter()
-        all_records = {n: read_metrics(train(n, base_yaml, work / "runs", args.quick))
-                       for n in names}
+        runs = Path(args.runs).resolve() if args.runs else work / "runs"
+        folders = {n: train(n, base_yaml, runs, args.quick) for n in names}
+        failed = [n for n, folder in folders.items() if folder is None]
+        all_records = {n: read_metrics(folder) for n, folder in folders.items() if folder}
+        if not all_records:
+            print("study_routing: every variant failed; nothing written", file=sys.stderr)
+            return 1
         rows = {n: summarise(r) for n, r in all_records.items()}
         results = claims(rows)
         steps = len(next(iter(all_records.values())))
         settings = (f"{'QUICK (pipeline check only) ' if args.quick else ''}{len(names)} "
                     f"variants x {steps} steps, {time.perf_counter() - started:.0f} s in all; "
                     f"base config `base.yaml` (same seed and data order for every variant), "
-                    f"per-variant overrides in `study.json`.")
+                    f"per-variant overrides in `study.json`."
+                    + (f" FAILED variants (not in the table): {', '.join(failed)}." if failed
+                       else ""))
         (work / "study.md").write_text(markdown(rows, results, settings))
         (work / "study.json").write_text(json.dumps(
             {"settings": settings, "base_config": BASE_CONFIG,
              "variants": {n: {"setup": VARIANTS[n][0], "overrides": VARIANTS[n][1], **rows[n]}
-                          for n in names},
+                          for n in rows},
              "claims": [{"claim": c, "held": h, "numbers": x} for c, h, x in results]},
             indent=1))
         plot(all_records, work)
-        shutil.rmtree(work / "runs")
+        shutil.rmtree(work / "runs", ignore_errors=True)
         if out.exists():
             shutil.rmtree(out)
         work.chmod(0o755)
@@ -322,7 +347,7 @@ def main(argv=None) -> int:
     for claim, held, numbers in results:
         print(f"{verdict(held)}: {claim} ({numbers})")
     print(f"study written to {out}/study.md")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -88,6 +88,10 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "skywork_adaptive": ("top-2, adaptive aux loss (from 1e-2), capacity 1.0",
                          ["moe.capacity_factor=1.0", "moe.balancing=adaptive_aux_loss"]),
     "erc": ("top-2, aux loss 1e-2 + ERC loss 1e-2", ["moe.erc_loss_coeff=1.0e-2"]),
+    # Added after the first full run showed the default bias rate too slow for 100 steps: a
+    # sensitivity row, not part of any claim.
+    "bias_u1e-2": ("SENSITIVITY, added after the first run: loss-free bias, u 1e-2",
+                   ["moe.balancing=bias", "moe.bias_update_rate=1.0e-2"]),
 }
 
 

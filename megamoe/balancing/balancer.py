@@ -80,6 +80,7 @@ def step_balancing(models: Union[nn.Module, Iterable[nn.Module]],
     if not routers:
         return {}
     device = routers[0].weight.device
+    own_sizes = [_router_sums(r, device).numel() for r in routers]
     packed = [_packed_state(r, device) for r in routers]
     sums = torch.cat([s for s, _ in packed])
     maxes = torch.cat([m for _, m in packed])
@@ -87,13 +88,13 @@ def step_balancing(models: Union[nn.Module, Iterable[nn.Module]],
     comm.all_reduce(maxes, op="max")
     metrics: dict[str, object] = {}
     offset = 0
-    for index, (router, (own_sums, _)) in enumerate(zip(routers, packed)):
-        chunk = sums[offset:offset + own_sums.numel()]
-        offset += own_sums.numel()
+    for index, (router, (router_sums, _)) in enumerate(zip(routers, packed)):
+        chunk = sums[offset:offset + router_sums.numel()]
+        offset += router_sums.numel()
         layer_maxes = maxes[2 * index:2 * index + 2]
         name = f"moe/layer{router.layer_number if router.layer_number is not None else index}"
-        E, own_size = router.cfg.num_experts, _router_sums(router, device).numel()
-        start = 2 * E + _SUMS
+        own_size = own_sizes[index]
+        start = 2 * router.cfg.num_experts + _SUMS
         own_summed, chunk = chunk[start:start + own_size], torch.cat(
             [chunk[:start], chunk[start + own_size:]])
         metrics.update(_layer_metrics(router, chunk, layer_maxes, name))

@@ -241,18 +241,20 @@ def verdict(held) -> str:
 
 def markdown(rows: dict[str, dict], results, settings: str) -> str:
     lines = ["# Routing study", "", settings, "",
-             "| variant | setup | held-out loss | MaxVio global | MaxVio micro-batch | "
+             "| variant | setup | held-out loss | train loss | MaxVio global | MaxVio micro-batch | "
              "experts/token (by layer) | dropped | mean max gate | step time (s) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         by_layer = " / ".join(f"{v:.2f}" for v in r["experts_per_token_by_layer"])
         lines.append(
-            f"| {name} | {VARIANTS[name][0]} | {r['heldout_loss']:.4f} | "
+            f"| {name} | {VARIANTS[name][0]} | {r['heldout_loss']:.4f} | {r['train_loss']:.4f} | "
             f"{r['maxvio_global']:.3f} | {r['maxvio_batch']:.3f} | "
             f"{r['experts_per_token']:.2f} ({by_layer}) | {100 * r['dropped_fraction']:.2f}% | "
             f"{r['mean_max_gate']:.3f} | {r['step_time_s']:.3f} |")
-    lines += ["", f"MaxVio, experts/token, dropped and mean max gate: mean of the last {TAIL} "
-              "steps, averaged over the MoE layers; held-out loss at the last step.", "",
+    lines += ["", f"Train loss, MaxVio, experts/token, dropped and mean max gate: mean of the last "
+              f"{TAIL} steps (MoE metrics averaged over the MoE layers); held-out loss at the "
+              "last step, in eval mode (each router's inference routing); step time: median.",
+              "",
               "## Claims", ""]
     lines += [f"- **{verdict(held)}**: {claim} ({numbers})" for claim, held, numbers in results]
     lines += ["", "![MaxVio global](maxvio_global.png)", "", "![held-out loss](heldout_loss.png)",

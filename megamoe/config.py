@@ -15,10 +15,11 @@ import torch
 
 from megamoe.errors import ConfigError
 
-ROUTER_TYPES = ("topk", "top_p")
+ROUTER_TYPES = ("topk", "top_p", "threshold", "sinkhorn", "base")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 BIAS = "bias"
-BALANCE_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+ADAPTIVE_AUX = "adaptive_aux_loss"
+BALANCE_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss", ADAPTIVE_AUX)
 BALANCING = (BIAS, *BALANCE_LOSSES, "none")
 DROP_POLICIES = ("probs", "position")
 ACTIVATIONS = ("swiglu", "gelu", "squared_relu")
@@ -41,7 +42,9 @@ class MoEConfig:
     """Experts per token for the `topk` router; also the nominal K used by capacity planning."""
 
     router_type: str = "topk"
-    """`topk` (fixed K per token) or `top_p` (dynamic top-p, Huang et al. ACL 2024)."""
+    """`topk` (fixed K per token), `top_p` (dynamic top-p, Huang et al. ACL 2024), `threshold`
+    (expert-threshold routing, arXiv 2603.11535), `sinkhorn` (balanced optimal transport) or
+    `base` (BASE layers' balanced assignment, arXiv 2103.16716); see `megamoe.routing`."""
 
     score_function: str = "softmax"
     """`softmax` or `sigmoid` router scores."""
@@ -65,7 +68,9 @@ class MoEConfig:
     `aux_loss` (Switch loss, arXiv 2101.03961, counts over the micro-batch's whole sequences),
     `global_aux_loss` (Switch loss with counts over every replica of the router, averaged over
     the step's micro-batches, arXiv 2501.11873), `seq_aux_loss` (per sequence, DeepSeek-V2,
-    arXiv 2405.04434), or `none`. DeepSeek-V3's recipe is ["bias", "seq_aux_loss"] with
+    arXiv 2405.04434), `adaptive_aux_loss` (the Switch loss with Skywork-MoE's per-layer
+    coefficient adapted to the layer's token-drop rate, arXiv 2406.06563; its `aux_loss_coeff`
+    is the starting value), or `none`. DeepSeek-V3's recipe is ["bias", "seq_aux_loss"] with
     aux_loss_coeff 1e-4. The z-loss combines with any."""
 
     bias_update_rate: float = 1e-3
@@ -103,6 +108,50 @@ class MoEConfig:
 
     entropy_loss_coeff: float = 1e-4
     """top_p router: weight of the entropy ("dynamic") loss that keeps P from flattening."""
+
+    gate_logit_norm: Optional[float] = None
+    """Skywork-MoE gating-logit normalisation (arXiv 2406.06563): z <- lambda * (z - mean(z)) /
+    std(z) per token before the score function, with lambda this value (any router). None
+    disables it."""
+
+    adaptive_aux_decay: float = 0.99
+    """`adaptive_aux_loss`: beta of Skywork-MoE's coefficient update alpha <- beta * alpha +
+    (1 - beta) * xi * d, d the layer's token-drop rate of the step (a knob: the paper's value
+    is not restated here)."""
+
+    adaptive_aux_sensitivity: float = 0.1
+    """`adaptive_aux_loss`: xi of that update (the coefficient a drop rate of 100% would
+    settle at; 10% drops settle at 0.1 * xi). The drop rate is measured at `capacity_factor`,
+    or, dropless, as the share of assignments above capacity factor 1."""
+
+    threshold_ema_decay: float = 0.99
+    """`threshold` router: beta of the per-expert threshold EMA (the public code's 0.99; the
+    paper uses 0.999 for long runs)."""
+
+    threshold_warmup_steps: int = 100
+    """`threshold` router: optimizer steps of plain expert-choice routing before the thresholds
+    take over (the paper warms up for about 4k steps of a long run)."""
+
+    threshold_capacity: Optional[float] = 0.5
+    """`threshold` router, training only: each expert takes between (1 - C) and (1 + C) times
+    its mean share N * topk / E of a micro-batch's N tokens (excess dropped by logit, shortfall
+    filled with the next-best tokens). None: no bounds."""
+
+    sinkhorn_tolerance: float = 1e-4
+    """`sinkhorn` router: stop when every expert's share of the transport plan is within this
+    relative tolerance of 1/E."""
+
+    sinkhorn_max_iterations: int = 100
+    """`sinkhorn` router: cap on the Sinkhorn iterations per forward."""
+
+    erc_loss_coeff: float = 0.0
+    """Weight of the expert-router coupling loss (arXiv 2512.23447, any router); 0 disables it."""
+
+    erc_noise: float = 0.1
+    """ERC loss: proxy tokens are the router rows times noise uniform in [1 - eps, 1 + eps]."""
+
+    erc_margin: float = 0.5
+    """ERC loss: alpha of the hinges max(M[i, j] - alpha M[i, i], 0) (and the transposed one)."""
 
     router_dtype: str = "fp32"
     """Precision of the router logits and scores: `fp32` or `fp64`."""
@@ -147,6 +196,7 @@ class MoEConfig:
                 "the topk router only; unset num_groups"
             )
         self._check_groups()
+        self._check_new_routers()
         if self.input_jitter_eps is not None and not 0.0 < self.input_jitter_eps < 1.0:
             raise ConfigError(
                 f"input_jitter_eps={self.input_jitter_eps} is outside (0, 1); use e.g. 1e-2 or None"
@@ -171,6 +221,57 @@ class MoEConfig:
             raise ConfigError(
                 "shared_expert_gate=True without a shared expert; set shared_expert_ffn_size"
             )
+
+    def _check_new_routers(self) -> None:
+        kind = self.router_type
+        if kind in ("threshold", "base") and self.score_function != "sigmoid":
+            raise ConfigError(
+                f"score_function={self.score_function!r} with router_type={kind!r}: its gates are "
+                "sigmoid(logit); set score_function='sigmoid'"
+            )
+        if kind == "sinkhorn" and self.score_function != "softmax":
+            raise ConfigError(
+                f"score_function={self.score_function!r} with router_type='sinkhorn': its gates "
+                "come from the transport plan of exp(logits); set score_function='softmax'"
+            )
+        if kind in ("threshold", "sinkhorn", "base") and self.num_groups is not None:
+            raise ConfigError(
+                f"num_groups={self.num_groups} with router_type={kind!r}: group limits apply to "
+                "the topk router only; unset num_groups"
+            )
+        if kind == "base" and self.topk != 1:
+            raise ConfigError(f"topk={self.topk} with router_type='base': BASE layers send each "
+                              "token to one expert; set topk=1")
+        if kind in ("threshold", "sinkhorn", "base") and self.uses_expert_bias:
+            raise ConfigError(
+                f"balancing includes 'bias' with router_type={kind!r}, which balances by "
+                "construction; drop 'bias' from balancing"
+            )
+        for name in ("threshold_ema_decay", "adaptive_aux_decay"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name}={getattr(self, name)} is outside [0, 1); use e.g. 0.99")
+        if self.threshold_capacity is not None and not 0.0 <= self.threshold_capacity < 1.0:
+            raise ConfigError(f"threshold_capacity={self.threshold_capacity} is outside [0, 1); "
+                              "use e.g. 0.5, or None for no bounds")
+        if self.threshold_warmup_steps < 0 or self.sinkhorn_max_iterations < 1:
+            raise ConfigError(
+                f"threshold_warmup_steps={self.threshold_warmup_steps}, sinkhorn_max_iterations="
+                f"{self.sinkhorn_max_iterations}: use >= 0 and >= 1"
+            )
+        if self.gate_logit_norm is not None and self.gate_logit_norm <= 0:
+            raise ConfigError(f"gate_logit_norm={self.gate_logit_norm} must be > 0; use None to "
+                              "disable it")
+        for name in ("sinkhorn_tolerance", "adaptive_aux_sensitivity", "erc_loss_coeff",
+                     "erc_margin"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} is negative; use a value >= 0")
+        if not 0.0 <= self.erc_noise < 1.0:
+            raise ConfigError(f"erc_noise={self.erc_noise} is outside [0, 1); use e.g. 0.1")
+
+    @property
+    def uses_adaptive_aux(self) -> bool:
+        """True when the router keeps Skywork-MoE's adaptive aux-loss coefficient."""
+        return ADAPTIVE_AUX in self.balancing_kinds
 
     def _check_balancing(self) -> None:
         kinds = self.balancing_kinds
@@ -212,7 +313,7 @@ class MoEConfig:
         losses = [k for k in self.balancing_kinds if k in BALANCE_LOSSES]
         coeffs = self.aux_loss_coeff
         coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(losses)
-        return {k: float(c) for k, c in zip(losses, coeffs) if c > 0}
+        return {k: float(c) for k, c in zip(losses, coeffs) if c > 0 or k == ADAPTIVE_AUX}
 
     def _check_groups(self) -> None:
         if (self.num_groups is None) != (self.groups_per_token is None):

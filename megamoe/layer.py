@@ -10,6 +10,7 @@ import torch
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from torch import nn
 
+from megamoe.balancing.erc import erc_loss
 from megamoe.balancing.losses import (entropy_loss, real_tokens, sequence_aux_loss,
                                      sequence_counts, switch_aux_loss, z_loss)
 from megamoe.config import MoEConfig
@@ -47,6 +48,7 @@ class MoELayer(nn.Module):
         self.token_comm = token_comm or SingleComm()
         cfg.check_expert_parallel(self.ep_comm.size)
         self.router = ROUTERS[cfg.router_type](cfg, init_method, bias_width)
+        self.router.group_comm = self.ep_comm
         self.dispatcher = DISPATCHERS[cfg.dispatcher](cfg.num_experts, self.ep_comm)
         # Experts on different expert-parallel ranks must start different: seed their init with
         # a draw from the default generator (identical on every rank) plus the rank.
@@ -85,7 +87,7 @@ class MoELayer(nn.Module):
         # On CUDA the shared expert runs on a side stream, overlapping the dispatch.
         shared_TD = (start_on_side_stream(self.shared_experts, x_TD)
                      if self.shared_experts is not None else None)
-        y_TD = self.routed_experts(x_TD, routing)
+        y_TD = self.router.mix_output(x_TD, self.routed_experts(x_TD, routing), routing)
         if shared_TD is not None:
             y_TD = y_TD + join_side_stream(shared_TD)
         if losses:
@@ -121,6 +123,9 @@ class MoELayer(nn.Module):
         weights = cfg.balance_loss_coeffs
         wants_z = cfg.z_loss_coeff > 0
         wants_entropy = cfg.router_type == "top_p" and cfg.entropy_loss_coeff > 0
+        if cfg.erc_loss_coeff > 0:
+            losses["erc_loss"] = erc_loss(self.router.weight, self.experts.fc1_weight,
+                                          cfg.erc_noise, cfg.erc_margin, self.ep_comm)
         if not (weights or wants_z or wants_entropy):
             return losses
         selected_TE = routing.selected_TE
@@ -130,9 +135,10 @@ class MoELayer(nn.Module):
                               real_tokens(selected_TE).sum(dtype=torch.float32).reshape(1)])
         self.token_comm.all_reduce(group_E1, op="sum")
         counts_E, num_tokens = group_E1[:E], group_E1[E]
-        if "aux_loss" in weights:
-            losses["aux_loss"] = switch_aux_loss(routing.probs_TE, selected_TE, counts_E,
-                                                 num_tokens)
+        for name in ("aux_loss", "adaptive_aux_loss"):
+            if name in weights:
+                losses[name] = switch_aux_loss(routing.probs_TE, selected_TE, counts_E,
+                                               num_tokens)
         if "global_aux_loss" in weights:
             replica_E = selected_TE.sum(0, dtype=torch.float32)
             self.replica_comm.all_reduce(replica_E, op="sum")
@@ -154,5 +160,8 @@ class MoELayer(nn.Module):
 
     def _weighted(self, losses: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         coeff = {**self.cfg.balance_loss_coeffs, "z_loss": self.cfg.z_loss_coeff,
-                 "entropy_loss": self.cfg.entropy_loss_coeff}
+                 "entropy_loss": self.cfg.entropy_loss_coeff,
+                 "erc_loss": self.cfg.erc_loss_coeff}
+        if self.cfg.uses_adaptive_aux:
+            coeff["adaptive_aux_loss"] = self.router.adaptive_aux_coeff[0]
         return {name: coeff[name] * value for name, value in losses.items()}

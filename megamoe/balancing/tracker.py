@@ -16,6 +16,7 @@ class LoadTracker:
     selected_E: tokens that chose each expert (the c_i of loss-free balancing).
     routed_E: tokens actually dispatched to each expert (after capacity drops).
     tokens, experts_per_token_sum/min/max: over non-padded tokens.
+    max_gate_sum: each token's largest router probability (P normalised per token), summed.
     microbatch_maxvio_sum, microbatches: MaxVio of each micro-batch on this rank.
     loss_sums: detached balance-loss values summed over micro-batches.
     global_counts_E, global_microbatches: the global aux loss's assignment counts over the
@@ -29,7 +30,8 @@ class LoadTracker:
     def reset(self) -> None:
         self.selected_E: Optional[torch.Tensor] = None
         self.routed_E: Optional[torch.Tensor] = None
-        self.sums: Optional[torch.Tensor] = None  # tokens, experts/token sum, maxvio sum, micro-batches
+        # tokens, experts/token sum, maxvio sum, micro-batches, max-gate sum
+        self.sums: Optional[torch.Tensor] = None
         self.experts_per_token_max: Optional[torch.Tensor] = None
         self.experts_per_token_min: Optional[torch.Tensor] = None
         self.loss_sums: dict[str, torch.Tensor] = {}
@@ -52,16 +54,23 @@ class LoadTracker:
     def empty(self) -> bool:
         return self.selected_E is None
 
-    def record(self, selected_TE: torch.Tensor, routing_map_TE: torch.Tensor) -> None:
-        """Add one micro-batch's selection and dispatch map."""
+    def record(self, selected_TE: torch.Tensor, routing_map_TE: torch.Tensor,
+               probs_TE: Optional[torch.Tensor] = None,
+               tokens_T: Optional[torch.Tensor] = None) -> None:
+        """Add one micro-batch's selection, dispatch map and (optionally) router scores and
+        non-padding tokens (default: the tokens routed to at least one expert)."""
         selected_E = selected_TE.sum(0, dtype=torch.float32)
         routed_E = routing_map_TE.sum(0, dtype=torch.float32)
         per_token_T = selected_TE.sum(1)
-        real_T = per_token_T > 0
+        real_T = per_token_T > 0 if tokens_T is None else tokens_T
         tokens = real_T.sum(dtype=torch.float32)
         per_token_real = per_token_T[real_T].to(torch.float32)
+        max_gate = tokens * 0
+        if probs_TE is not None:
+            p_TE = probs_TE.detach()[real_T].to(torch.float32)
+            max_gate = (p_TE.amax(-1) / p_TE.sum(-1).clamp_min(1e-20)).sum()
         sums = torch.stack([tokens, per_token_real.sum(), maxvio(selected_E),
-                            torch.ones((), device=tokens.device)])
+                            torch.ones((), device=tokens.device), max_gate])
         big = torch.tensor(float(self.num_experts + 1), device=tokens.device)
         ept_max = per_token_real.max() if per_token_real.numel() else big * 0
         ept_min = per_token_real.min() if per_token_real.numel() else big

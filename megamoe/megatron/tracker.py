@@ -29,6 +29,8 @@ MEGATRON_NAMES = {
     "global_aux_loss": "global_load_balancing_loss",
     "z_loss": "z_loss",
     "entropy_loss": "entropy_loss",
+    "adaptive_aux_loss": "adaptive_load_balancing_loss",
+    "erc_loss": "erc_loss",
 }
 CLOCK_NAME = "moe_experts_per_token"  # written by megamoe layers only
 

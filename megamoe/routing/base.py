@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from megamoe.balancing.tracker import LoadTracker
 from megamoe.config import MoEConfig
 from megamoe.errors import ConfigError
+from megamoe.parallel.comm import Comm, SingleComm
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class Routing:
     probs_TE: the router's distribution over experts (softmax, or sigmoid normalised per token),
         the P of the balance losses.
     logits_TE: raw router logits (z-loss).
+    tokens_T: the tokens that are not padding (bool), or None for all; a real token may be
+        routed to no expert (expert-threshold routing).
     """
 
     selected_TE: torch.Tensor
@@ -36,6 +39,7 @@ class Routing:
     gates_TE: torch.Tensor
     probs_TE: torch.Tensor
     logits_TE: torch.Tensor
+    tokens_T: Optional[torch.Tensor] = None
 
     def with_map(self, routing_map_TE: torch.Tensor) -> "Routing":
         """The same routing with a smaller dispatch map (gates zeroed off it)."""
@@ -51,8 +55,13 @@ def in_recomputation() -> bool:
 class Router(nn.Module):
     """Linear router with an optional loss-free balancing bias.
 
-    Subclasses implement `select(scores_TE, logits_TE) -> (selected_TE, gates_TE)`, where
-    `scores_TE` are the router probabilities. The expert bias (arXiv 2408.15664) lives in the fp32
+    Subclasses implement `select(scores_TE, logits_TE, real_T) -> (selected_TE, gates_TE)`,
+    where `scores_TE` are the router probabilities and `real_T` (bool, or None for all) marks
+    the tokens that are not padding. A router with state updated once per optimizer step
+    (expert thresholds) implements `step_sums` and `end_step`, which `step_balancing` calls;
+    one that changes the layer's output form (BASE) overrides `mix_output`. `group_comm` is the
+    expert-parallel group (set by the MoE layer): routers that solve one assignment over the
+    whole group's tokens (Sinkhorn, BASE) gather their logits over it. The expert bias (arXiv 2408.15664) lives in the fp32
     buffer `expert_bias`; it steers selection only and is updated once per optimizer step, never
     by gradients: by `megamoe.balancing.step_balancing`, or by Megatron-Core's
     `finalize_model_grads`, which duck-types routers by their `expert_bias` and
@@ -79,8 +88,12 @@ class Router(nn.Module):
             self.register_buffer("local_tokens_per_expert",
                                  torch.zeros(width, dtype=torch.float32), persistent=False)
             self._counts_version = self.local_tokens_per_expert._version
+        if cfg.uses_adaptive_aux:  # Skywork-MoE's per-layer coefficient, megamoe.balancing.adaptive
+            self.register_buffer("adaptive_aux_coeff", torch.tensor(
+                [cfg.balance_loss_coeffs.get("adaptive_aux_loss", 0.0)], dtype=torch.float32))
         self.load = LoadTracker(E)
         self.layer_number: Optional[int] = None
+        self.group_comm: Comm = SingleComm()
 
     @property
     def bias_E(self) -> Optional[torch.Tensor]:
@@ -92,13 +105,18 @@ class Router(nn.Module):
         """Route tokens; padded tokens (padding_mask_T True) go to no expert and are not counted."""
         dtype = self.cfg.torch_router_dtype
         logits_TE = F.linear(self.jitter(x_TD).to(dtype), self.weight.to(dtype))
+        if self.cfg.gate_logit_norm is not None:
+            logits_TE = normalise_logits(logits_TE, self.cfg.gate_logit_norm)
         probs_TE = self.probabilities(logits_TE)
-        selected_TE, gates_TE = self.select(probs_TE, logits_TE)
+        real_T = None if padding_mask_T is None else ~padding_mask_T.reshape(-1)
+        selected_TE, gates_TE = self.select(probs_TE, logits_TE, real_T)
         if padding_mask_T is not None:
             keep_T1 = ~padding_mask_T.reshape(-1, 1)
             selected_TE = selected_TE & keep_T1
             gates_TE = gates_TE * keep_T1
-        return Routing(selected_TE, selected_TE, gates_TE, probs_TE, logits_TE)
+        tokens_T = real_T if real_T is not None else torch.ones(
+            logits_TE.shape[0], dtype=torch.bool, device=logits_TE.device)
+        return Routing(selected_TE, selected_TE, gates_TE, probs_TE, logits_TE, tokens_T)
 
     def jitter(self, x_TD: torch.Tensor) -> torch.Tensor:
         """Training only: x * U(1 - eps, 1 + eps), the input jitter of the Switch Transformer
@@ -122,8 +140,20 @@ class Router(nn.Module):
             return scores_TE.detach()
         return scores_TE.detach() + bias_E.to(scores_TE.dtype)
 
-    def select(self, scores_TE: torch.Tensor, logits_TE: torch.Tensor):
+    def select(self, scores_TE: torch.Tensor, logits_TE: torch.Tensor,
+               real_T: Optional[torch.Tensor] = None):
         raise NotImplementedError
+
+    def mix_output(self, x_TD: torch.Tensor, y_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The routed experts' combined output `y_TD` as the layer returns it (as is here)."""
+        return y_TD
+
+    def step_sums(self) -> Optional[torch.Tensor]:
+        """Per-step routing state to sum over the replica group (fixed size), or None."""
+        return None
+
+    def end_step(self, summed: Optional[torch.Tensor]) -> None:
+        """Once per optimizer step, with `step_sums` summed over the replica group."""
 
     def counts_this_forward(self) -> bool:
         """True for a kept training forward (not eval, not activation recomputation): the only
@@ -135,7 +165,8 @@ class Router(nn.Module):
         it is a kept training forward."""
         if not self.counts_this_forward():
             return
-        self.load.record(routing.selected_TE, routing.routing_map_TE)
+        self.load.record(routing.selected_TE, routing.routing_map_TE, routing.probs_TE,
+                         routing.tokens_T)
         self.load.record_losses(losses)
         if self.bias_E is not None:
             self._add_megatron_counts(routing.selected_TE.sum(0, dtype=torch.float32))
@@ -191,7 +222,7 @@ class Router(nn.Module):
     def _apply(self, fn, recurse=True):
         """Move the bias buffers with the module but keep them in fp32 (a bf16 cast would erase
         bias updates of size 1e-3 and round large token counts)."""
-        names = [n for n in ("expert_bias", "local_tokens_per_expert") if n in self._buffers]
+        names = [n for n in self.fp32_buffers if n in self._buffers]
         if not names:
             return super()._apply(fn, recurse)
         kept = {name: self._buffers[name] for name in names}
@@ -203,8 +234,20 @@ class Router(nn.Module):
             for name, buffer in kept.items():
                 device = fn(buffer[:0]).device
                 self._buffers[name] = buffer.to(device=device, dtype=torch.float32)
-            self._counts_version = self.local_tokens_per_expert._version
+            if "local_tokens_per_expert" in kept:
+                self._counts_version = self.local_tokens_per_expert._version
         return self
+
+    fp32_buffers = ("expert_bias", "local_tokens_per_expert", "adaptive_aux_coeff")
+    """Buffers kept in fp32 whatever the module is cast to (subclasses add theirs)."""
+
+
+def normalise_logits(logits_TE: torch.Tensor, scale: float) -> torch.Tensor:
+    """Skywork-MoE's gating-logit normalisation (arXiv 2406.06563, section 3.1):
+    z <- scale * (z - mean(z)) / std(z) over each token's experts, before the score function."""
+    mean_T1 = logits_TE.mean(-1, keepdim=True)
+    std_T1 = logits_TE.std(-1, keepdim=True).clamp_min(1e-6)
+    return scale * (logits_TE - mean_T1) / std_T1
 
 
 def _normal_init(std: float):

@@ -16,7 +16,7 @@ from megamoe.routing.base import Router
 class TopPRouter(Router):
     """Dynamic top-p router: a variable number of experts per token."""
 
-    def select(self, scores_TE, logits_TE):
+    def select(self, scores_TE, logits_TE, real_T=None):
         order_TE = self.selection_scores(scores_TE).argsort(dim=-1, descending=True)
         sorted_probs_TE = scores_TE.detach().gather(1, order_TE)
         mass_before_TE = sorted_probs_TE.cumsum(-1) - sorted_probs_TE

@@ -30,7 +30,7 @@ class TopKRouter(Router):
     `topk_scaling_factor`.
     """
 
-    def select(self, scores_TE, logits_TE):
+    def select(self, scores_TE, logits_TE, real_T=None):
         cfg = self.cfg
         choice_TE = self.selection_scores(scores_TE)
         if cfg.num_groups is not None:

@@ -18,6 +18,7 @@ building the MoEConfig.
     checkpoint: {interval, dir, init_from, keep_last, resume_from_verified}
     logging:    {interval, tensorboard, wandb, ...}
     guards:     {nonfinite, spike_factor, spike_window, spike_action, max_rollbacks, debug_*}
+    evaluation: {interval, batches}
 """
 from __future__ import annotations
 
@@ -225,6 +226,16 @@ class LoggingConfig:
 
 
 @dataclass
+class EvaluationConfig:
+    """Held-out loss (megamoe.train.evaluate) on the valid split of `data.split`."""
+
+    interval: int = 0
+    """Evaluate every this many steps and at the end (metrics key `heldout_loss`); 0: never."""
+    batches: int = 4
+    """Global batches of the valid split evaluated each time (the same ones every time)."""
+
+
+@dataclass
 class GuardsConfig:
     """Divergence guards, checked every step before the optimizer update (megamoe.train.guards).
 
@@ -274,6 +285,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     guards: GuardsConfig = field(default_factory=GuardsConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -550,6 +562,10 @@ def validate(config: TrainConfig) -> None:
              f"checkpoint.interval={config.checkpoint.interval} must be >= 0 (0: at the end)")
     _require(config.checkpoint.keep_last >= 0,
              f"checkpoint.keep_last={config.checkpoint.keep_last} must be >= 0 (0: keep all)")
+    _require(config.evaluation.interval >= 0,
+             f"evaluation.interval={config.evaluation.interval} must be >= 0 (0: never)")
+    _require(config.evaluation.batches >= 1,
+             f"evaluation.batches={config.evaluation.batches} must be >= 1")
     g = config.guards
     _require(g.spike_factor == 0 or g.spike_factor > 1,
              f"guards.spike_factor={g.spike_factor} must be > 1 (or 0 to switch the guard off)")

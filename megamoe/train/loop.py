@@ -38,6 +38,7 @@ from megamoe.train.checkpoint import (load_checkpoint, load_model_weights, resum
                                       save_checkpoint)
 from megamoe.train.config import TrainConfig, dump_config
 from megamoe.train.engine import Engine
+from megamoe.train.evaluate import HeldOutLoss
 from megamoe.train.guards import (
     DivergenceError,
     LossSpikeGuard,
@@ -188,6 +189,7 @@ def _train(run: _Run, stop: StopRequest) -> None:
     skip_at: set[int] = set()  # data positions whose step batch a rollback skips
     rollbacks = 0
     state = run.state
+    heldout = HeldOutLoss.for_run(config, run.device)
     while state.iteration < config.training.train_steps:
         start = time.perf_counter()
         step = state.iteration + 1
@@ -228,6 +230,8 @@ def _train(run: _Run, stop: StopRequest) -> None:
         if config.parallel.pipeline > 1:
             moe_metrics = _gather_pipeline_metrics(moe_metrics, run.pgs.pp)
         elapsed = time.perf_counter() - start
+        if heldout is not None and heldout.due(step):
+            moe_metrics["heldout_loss"] = heldout(run.model)
         logger.log(step, {"loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                           "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
                           "consumed_samples": state.consumed_samples, **moe_metrics})

@@ -66,6 +66,9 @@ def transformer_config(config: TrainConfig, on_cuda: bool, bf16: bool) -> Transf
         num_moe_experts=moe.num_experts,
         moe_ffn_hidden_size=moe.ffn_hidden_size,
         moe_router_topk=moe.topk,
+        # The layers take their routing settings from the spec; this only keeps Megatron's
+        # softmax top-1 check off top-1 routers it does not know (threshold, BASE, Sinkhorn).
+        moe_router_pre_softmax=True,
         moe_layer_freq=_moe_layer_freq(config),
         moe_router_enable_expert_bias=False,
         use_cpu_initialization=not on_cuda,

@@ -139,6 +139,10 @@ EP_CASES = {
     "top_p": dict(router_type="top_p"),
     "capacity": dict(capacity_factor=0.75),
     "shared_seq_aux": dict(shared_expert_ffn_size=12, balancing="seq_aux_loss", z_loss_coeff=1e-2),
+    "threshold": dict(router_type="threshold", score_function="sigmoid", topk=1,
+                      balancing="none", shared_expert_ffn_size=12),
+    "erc_adaptive_norm": dict(balancing="adaptive_aux_loss", erc_loss_coeff=0.5, erc_noise=0.0,
+                              gate_logit_norm=1.0, capacity_factor=1.0),
 }
 
 

@@ -1,0 +1,363 @@
+"""Routing study: the same small MoE trained under each router and balancer, and whether each
+paper's claim holds at this scale.
+
+    python tools/study_routing.py [--out docs/study_routing] [--quick] [--variants a,b,...]
+                                  [--runs DIR]
+
+Every variant trains the study's default model (a 4-layer GPT, first layer dense, 3 MoE layers
+of 8 experts, on the embedded corpus with 5% of its documents held out) with the same seed and
+data order through the public entry `python -m megamoe.train --config BASE key=value ...`, one
+process at a time, and is read back from its metrics.jsonl. The study writes, atomically,
+OUT/study.md and OUT/study.json (the table and the claims), OUT/*.png (held-out loss, MaxVio
+global and per micro-batch per layer, experts per token per layer, dropped tokens, step time)
+and OUT/base.yaml; the runs themselves train in a temporary folder that is removed, or in
+`--runs DIR`, where a variant whose run already finished is read back
+instead of trained again, so an interrupted study resumes. Each claim is printed as
+one line saying whether it held. `--quick` (CI) trains a few steps of a smaller batch: it checks
+the pipeline, not the claims.
+
+Claims (research notes; papers cited in megamoe.routing / megamoe.balancing):
+- loss-free bias (arXiv 2408.15664): much lower MaxVio than the aux loss at no worse held-out
+  loss; the bar: MaxVio_global <= 0.05 (last 50 steps, mean over layers) and held-out loss
+  within 0.01 of the aux-loss run;
+- dynamic top-p (arXiv 2403.07652): fewer than 2 experts per token at a held-out loss no worse
+  than top-2 by more than 1%, and more experts in lower layers;
+- expert-threshold routing (arXiv 2603.11535): balances without an aux loss and beats
+  token-choice top-k at equal average experts per token;
+- Sinkhorn / BASE: near-perfect balance by construction;
+- Skywork-MoE (arXiv 2406.06563): the gating-logit normalisation sharpens the gate
+  distribution (mean max gate) and the adaptive coefficient lowers the drop rate.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+TAIL = 50  # steps averaged for the table ("last 50 steps")
+
+BASE_CONFIG = {
+    "model": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+              "ffn_hidden_size": 256, "seq_length": 64, "first_k_dense": 1},
+    # 1024 tokenizer pieces: the output layer would otherwise dominate the step on 2 cores.
+    "moe": {"num_experts": 8, "ffn_hidden_size": 64, "topk": 2, "score_function": "softmax",
+            "balancing": "aux_loss", "aux_loss_coeff": 1.0e-2},
+    "data": {"split": "95,5,0", "vocab_size": 1024},
+    "training": {"train_steps": 100, "micro_batch_size": 32, "global_batch_size": 64,
+                 "seed": 1234},
+    "optimizer": {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_steps": 12, "decay_style": "cosine"},
+    "checkpoint": {"interval": 0},
+    "logging": {"interval": 20, "tensorboard": False, "progress_bar": False},
+    "evaluation": {"interval": 20, "batches": 2},
+}
+QUICK = ["training.train_steps=3",  # `train` expects 3: keep them in step
+         "data.vocab_size=4096",  # the default corpus other tests build anyway
+         "training.micro_batch_size=4", "training.global_batch_size=8",
+         "evaluation.interval=3", "evaluation.batches=1", "optimizer.warmup_steps=1",
+         "moe.threshold_warmup_steps=1"]
+
+SHARED = ["moe.shared_expert_ffn_size=64"]
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "aux_loss": ("top-2, Switch aux loss 1e-2", []),
+    "bias": ("top-2, loss-free bias (u 2.5e-3)",
+             ["moe.balancing=bias", "moe.bias_update_rate=2.5e-3"]),
+    "top_p": ("dynamic top-p 0.4, aux 1e-2 + entropy 1e-4", ["moe.router_type=top_p"]),
+    "top1_shared": ("top-1 + shared expert, aux loss 1e-2",
+                    ["moe.topk=1", "moe.pre_softmax=true", *SHARED]),
+    "threshold": ("expert threshold (1 expert/token target) + shared expert, no aux loss",
+                  ["moe.router_type=threshold", "moe.score_function=sigmoid", "moe.topk=1",
+                   "moe.balancing=none", "moe.threshold_warmup_steps=20", *SHARED]),
+    "sinkhorn": ("Sinkhorn top-2, no aux loss", ["moe.router_type=sinkhorn",
+                                                 "moe.balancing=none"]),
+    "base": ("BASE layers (balanced top-1), no aux loss",
+             ["moe.router_type=base", "moe.score_function=sigmoid", "moe.topk=1",
+              "moe.balancing=none"]),
+    "aux_capacity": ("top-2, aux loss 1e-2, capacity factor 1.0", ["moe.capacity_factor=1.0"]),
+    "skywork_norm": ("top-2, aux loss 1e-2, capacity 1.0, gating-logit norm lambda=1",
+                     ["moe.capacity_factor=1.0", "moe.gate_logit_norm=1.0"]),
+    "skywork_adaptive": ("top-2, adaptive aux loss (from 1e-2), capacity 1.0",
+                         ["moe.capacity_factor=1.0", "moe.balancing=adaptive_aux_loss"]),
+    "erc": ("top-2, aux loss 1e-2 + ERC loss 1e-2", ["moe.erc_loss_coeff=1.0e-2"]),
+    # Added after the first full run showed the default bias rate too slow for 100 steps: a
+    # sensitivity row, not part of any claim.
+    "bias_u1e-2": ("SENSITIVITY, added after the first run: loss-free bias, u 1e-2",
+                   ["moe.balancing=bias", "moe.bias_update_rate=1.0e-2"]),
+}
+
+
+def finished(out: Path, steps: int) -> bool:
+    """True when `out` holds a run that logged its last step."""
+    metrics = out / "metrics.jsonl"
+    return metrics.is_file() and any(r["step"] == steps for r in read_metrics(out))
+
+
+def train(name: str, base_yaml: Path, runs: Path, quick: bool) -> Path | None:
+    """Train one variant through the public entry point; returns its output folder, or None
+    (and says why) when the run failed."""
+    out = runs / name
+    overrides = [f"output_dir={out}", *VARIANTS[name][1], *(QUICK if quick else [])]
+    steps = 3 if quick else BASE_CONFIG["training"]["train_steps"]
+    if finished(out, steps):
+        print(f"[{name}] reusing the finished run in {out}", flush=True)
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    # One intra-op thread: on 2 shared cores a second spinning thread only slows the step.
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "megamoe.train", "--config", str(base_yaml), *overrides]
+    print(f"[{name}] {' '.join(overrides[1:]) or '(base config)'}", flush=True)
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"[{name}] FAILED (exit {done.returncode}): {done.stderr.strip()[-2000:]}",
+              file=sys.stderr, flush=True)
+        return None
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    print(f"[{name}] trained in {time.perf_counter() - started:.0f} s", flush=True)
+    return out
+
+
+def read_metrics(folder: Path) -> list[dict]:
+    """Step records of metrics.jsonl, the last one of each step, in step order."""
+    by_step = {}
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "event" not in record:
+            by_step[record["step"]] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def layers_of(records: list[dict]) -> list[int]:
+    return sorted({int(k.split("/")[1][5:]) for k in records[-1] if k.startswith("moe/layer")})
+
+
+def series(records: list[dict], key: str) -> list[float]:
+    return [r[key] for r in records if key in r]
+
+
+def tail_mean(records: list[dict], key: str) -> float:
+    values = series(records, key)[-TAIL:]
+    return statistics.fmean(values) if values else float("nan")
+
+
+def summarise(records: list[dict]) -> dict:
+    """The table row of one variant."""
+    layers = layers_of(records)
+    per_layer = {name: [tail_mean(records, f"moe/layer{n}/{name}") for n in layers]
+                 for name in ("maxvio_global", "maxvio_batch", "experts_per_token",
+                              "dropped_fraction", "mean_max_gate")}
+    heldout = series(records, "heldout_loss")
+    return {
+        "heldout_loss": heldout[-1] if heldout else float("nan"),
+        "train_loss": statistics.fmean(series(records, "loss")[-TAIL:]),
+        **{name: statistics.fmean(values) for name, values in per_layer.items()},
+        "experts_per_token_by_layer": per_layer["experts_per_token"],
+        "maxvio_global_by_layer": per_layer["maxvio_global"],
+        "step_time_s": statistics.median(series(records, "step_time_s")),
+        "layers": layers,
+    }
+
+
+def claims(rows: dict[str, dict]) -> list[tuple[str, object, str]]:
+    """(claim, True/False/None when its variants are missing, the numbers behind it)."""
+    def have(*names):
+        return all(n in rows for n in names)
+
+    out = []
+    if have("bias", "aux_loss"):
+        b, a = rows["bias"], rows["aux_loss"]
+        out.append(("loss-free bias: much lower MaxVio_global than the aux loss (< half) at no "
+                    "worse held-out loss (+0.01 at most)",
+                    b["maxvio_global"] < 0.5 * a["maxvio_global"]
+                    and b["heldout_loss"] <= a["heldout_loss"] + 0.01,
+                    f"MaxVio {b['maxvio_global']:.3f} vs {a['maxvio_global']:.3f}; held-out "
+                    f"{b['heldout_loss']:.4f} vs {a['heldout_loss']:.4f}"))
+        out.append(("bar: loss-free bias MaxVio_global (last 50 steps, mean over layers) <= "
+                    "0.05 and held-out loss within 0.01 of the aux-loss run",
+                    b["maxvio_global"] <= 0.05
+                    and abs(b["heldout_loss"] - a["heldout_loss"]) <= 0.01,
+                    f"MaxVio {b['maxvio_global']:.3f}; held-out difference "
+                    f"{b['heldout_loss'] - a['heldout_loss']:+.4f}"))
+    else:
+        out.append(("loss-free bias vs aux loss", None, "variants bias/aux_loss not run"))
+    if have("top_p", "aux_loss"):
+        p, a = rows["top_p"], rows["aux_loss"]
+        by_layer = p["experts_per_token_by_layer"]
+        out.append(("dynamic top-p: < 2 experts per token at held-out loss no worse than top-2 "
+                    "by more than 1%",
+                    p["experts_per_token"] < 2 and p["heldout_loss"] <= 1.01 * a["heldout_loss"],
+                    f"{p['experts_per_token']:.2f} experts/token; held-out "
+                    f"{p['heldout_loss']:.4f} vs {a['heldout_loss']:.4f}"))
+        out.append(("dynamic top-p: more experts in lower layers (first MoE layer > last)",
+                    by_layer[0] > by_layer[-1],
+                    "experts/token by layer " + ", ".join(f"{v:.2f}" for v in by_layer)))
+    else:
+        out.append(("dynamic top-p vs top-2", None, "variants top_p/aux_loss not run"))
+    if have("threshold", "top1_shared"):
+        t, k = rows["threshold"], rows["top1_shared"]
+        out.append(("expert threshold: balances without an aux loss (MaxVio_global no higher "
+                    "than top-1 with the aux loss)", t["maxvio_global"] <= k["maxvio_global"],
+                    f"MaxVio {t['maxvio_global']:.3f} vs {k['maxvio_global']:.3f}"))
+        out.append(("expert threshold: lower held-out loss than token-choice top-1 at equal "
+                    "average experts per token (within 0.15)",
+                    t["heldout_loss"] < k["heldout_loss"]
+                    and abs(t["experts_per_token"] - k["experts_per_token"]) <= 0.15,
+                    f"held-out {t['heldout_loss']:.4f} vs {k['heldout_loss']:.4f} at "
+                    f"{t['experts_per_token']:.2f} vs {k['experts_per_token']:.2f} "
+                    "experts/token"))
+    else:
+        out.append(("expert threshold vs top-1", None, "variants threshold/top1_shared not run"))
+    for name in ("sinkhorn", "base"):
+        if have(name):
+            r = rows[name]
+            out.append((f"{name}: near-perfect balance (MaxVio_global <= 0.1)",
+                        r["maxvio_global"] <= 0.1, f"MaxVio {r['maxvio_global']:.3f}"))
+    if have("skywork_norm", "aux_capacity"):
+        s, a = rows["skywork_norm"], rows["aux_capacity"]
+        out.append(("Skywork normalisation sharpens the gates (higher mean max gate)",
+                    s["mean_max_gate"] > a["mean_max_gate"],
+                    f"mean max gate {s['mean_max_gate']:.3f} vs {a['mean_max_gate']:.3f}"))
+    if have("skywork_adaptive", "aux_capacity"):
+        s, a = rows["skywork_adaptive"], rows["aux_capacity"]
+        out.append(("Skywork adaptive coefficient lowers the drop rate",
+                    s["dropped_fraction"] < a["dropped_fraction"],
+                    f"dropped {100 * s['dropped_fraction']:.2f}% vs "
+                    f"{100 * a['dropped_fraction']:.2f}%"))
+    return out
+
+
+def verdict(held) -> str:
+    return {True: "HELD", False: "DID NOT HOLD", None: "NOT RUN"}[held]
+
+
+def markdown(rows: dict[str, dict], results, settings: str) -> str:
+    lines = ["# Routing study", "", settings, "",
+             "| variant | setup | held-out loss | train loss | MaxVio global | MaxVio micro-batch | "
+             "experts/token (by layer) | dropped | mean max gate | step time (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        by_layer = " / ".join(f"{v:.2f}" for v in r["experts_per_token_by_layer"])
+        lines.append(
+            f"| {name} | {VARIANTS[name][0]} | {r['heldout_loss']:.4f} | {r['train_loss']:.4f} | "
+            f"{r['maxvio_global']:.3f} | {r['maxvio_batch']:.3f} | "
+            f"{r['experts_per_token']:.2f} ({by_layer}) | {100 * r['dropped_fraction']:.2f}% | "
+            f"{r['mean_max_gate']:.3f} | {r['step_time_s']:.3f} |")
+    lines += ["", f"Train loss, MaxVio, experts/token, dropped and mean max gate: mean of the last "
+              f"{TAIL} steps (MoE metrics averaged over the MoE layers); held-out loss at the "
+              "last step, in eval mode (each router's inference routing); step time: median.",
+              "",
+              "## Claims", ""]
+    lines += [f"- **{verdict(held)}**: {claim} ({numbers})" for claim, held, numbers in results]
+    lines += ["", "![MaxVio global](maxvio_global.png)", "", "![held-out loss](heldout_loss.png)",
+              "", "Also: [MaxVio per micro-batch](maxvio_batch.png), "
+              "[experts per token](experts_per_token.png), [dropped](dropped_fraction.png), "
+              "[step time](step_time_s.png).", ""]
+    return "\n".join(lines)
+
+
+def plot(all_records: dict[str, list[dict]], out: Path) -> None:
+    """One small PNG per metric: a line per variant (per-layer metrics: one panel per layer)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=60)
+        plt.close(fig)
+
+    for key, title in [("heldout_loss", "held-out loss"), ("step_time_s", "step time (s)")]:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for name, records in all_records.items():
+            steps = [r["step"] for r in records if key in r]
+            ax.plot(steps, series(records, key), label=name, lw=1)
+        ax.set_xlabel("step"), ax.set_title(title), ax.legend(fontsize=6, ncol=2)
+        save(fig, key)
+    layers = layers_of(next(iter(all_records.values())))
+    for key, title in [("maxvio_global", "MaxVio (global batch)"),
+                       ("maxvio_batch", "MaxVio (micro-batch)"),
+                       ("experts_per_token", "experts per token"),
+                       ("dropped_fraction", "dropped fraction")]:
+        fig, axes = plt.subplots(1, len(layers), figsize=(3.2 * len(layers), 3), sharey=True,
+                                 squeeze=False)
+        for ax, layer in zip(axes[0], layers):
+            for name, records in all_records.items():
+                full = f"moe/layer{layer}/{key}"
+                steps = [r["step"] for r in records if full in r]
+                ax.plot(steps, series(records, full), label=name, lw=0.8)
+            ax.set_title(f"{title}, layer {layer}", fontsize=8), ax.set_xlabel("step")
+            if key.startswith("maxvio"):
+                ax.set_yscale("log")
+        axes[0][-1].legend(fontsize=5, ncol=2)
+        save(fig, key)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(ROOT / "docs" / "study_routing"))
+    parser.add_argument("--quick", action="store_true", help="a few steps per variant (CI)")
+    parser.add_argument("--runs", help="train (and reuse finished runs) here, kept afterwards")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated subset of {','.join(VARIANTS)}")
+    args = parser.parse_args(argv)
+    names = [n for n in args.variants.split(",") if n]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown or not names:
+        print(f"study_routing: --variants {args.variants!r}: unknown {unknown}; pick from "
+              f"{','.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    out = Path(args.out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        base_yaml = work / "base.yaml"
+        base_yaml.write_text(yaml.safe_dump(BASE_CONFIG, sort_keys=False))
+        started = time.perf_counter()
+        runs = Path(args.runs).resolve() if args.runs else work / "runs"
+        folders = {n: train(n, base_yaml, runs, args.quick) for n in names}
+        failed = [n for n, folder in folders.items() if folder is None]
+        all_records = {n: read_metrics(folder) for n, folder in folders.items() if folder}
+        if not all_records:
+            print("study_routing: every variant failed; nothing written", file=sys.stderr)
+            return 1
+        rows = {n: summarise(r) for n, r in all_records.items()}
+        results = claims(rows)
+        steps = len(next(iter(all_records.values())))
+        settings = (f"{'QUICK (pipeline check only) ' if args.quick else ''}{len(names)} "
+                    f"variants x {steps} steps, {time.perf_counter() - started:.0f} s in all; "
+                    f"base config `base.yaml` (same seed and data order for every variant), "
+                    f"per-variant overrides in `study.json`."
+                    + (f" FAILED variants (not in the table): {', '.join(failed)}." if failed
+                       else ""))
+        (work / "study.md").write_text(markdown(rows, results, settings))
+        (work / "study.json").write_text(json.dumps(
+            {"settings": settings, "base_config": BASE_CONFIG,
+             "variants": {n: {"setup": VARIANTS[n][0], "overrides": VARIANTS[n][1], **rows[n]}
+                          for n in rows},
+             "claims": [{"claim": c, "held": h, "numbers": x} for c, h, x in results]},
+            indent=1))
+        plot(all_records, work)
+        shutil.rmtree(work / "runs", ignore_errors=True)
+        if out.exists():
+            shutil.rmtree(out)
+        work.chmod(0o755)
+        work.rename(out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    for claim, held, numbers in results:
+        print(f"{verdict(held)}: {claim} ({numbers})")
+    print(f"study written to {out}/study.md")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -49,6 +49,8 @@ class DistSource:
     """A dense torch_dist checkpoint read layer by layer (see megamoe.upcycle.source)."""
 
     format = "torch_dist"
+    model_settings = None
+    side_files: list = []
 
     def __init__(self, directory: Path):
         if has_manifest(directory):

@@ -220,7 +220,8 @@ def train_sections(model_settings: Optional[dict], record: dict) -> Optional[dic
     moe = {"num_experts": mg["num_moe_experts"], "ffn_hidden_size": mg["moe_ffn_hidden_size"],
            "topk": mg["moe_router_topk"], "score_function": mg["moe_router_score_function"],
            "pre_softmax": mg["moe_router_pre_softmax"],
-           "shared_expert_ffn_size": mg["moe_shared_expert_intermediate_size"]}
+           "shared_expert_ffn_size": mg["moe_shared_expert_intermediate_size"],
+           "shared_expert_gate": mg.get("moe_shared_expert_gate", False)}
     return {"model": model, "moe": moe}
 
 

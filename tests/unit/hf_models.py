@@ -17,6 +17,7 @@ ARCHS = {
                                 "original_max_position_embeddings": 8192}),
     "mistral": dict(rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=4096),
     "qwen2": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen3": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, head_dim=32),
 }
 
 

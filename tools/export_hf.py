@@ -16,9 +16,14 @@ code 2, no output left behind.
 from __future__ import annotations
 
 import argparse
+import warnings
 
-from megamoe.errors import ConfigError, run_cli
-from megamoe.interop.hf_export import ARCHS, export_hf
+# megatron-core warns on import that Transformer Engine and Apex are absent: not the user's
+# concern here, and it would bury the one-line error of bad input.
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+
+from megamoe.errors import ConfigError, run_cli  # noqa: E402
+from megamoe.interop.hf_export import ARCHS, export_hf  # noqa: E402
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,6 +1,7 @@
 """Time forward+backward of a megamoe layer and of Megatron-Core's own MoE layer (all-to-all
 dispatcher; experts: SequentialMLP, or with --peer the grouped-GEMM GroupedMLP / TEGroupedMLP) at
-the same sizes, in the same process.
+the same sizes, in the same process; DeepSpeed's `deepspeed.moe.layer.MoE` (dropless,
+Megatron-DeepSpeed's SwiGLU expert MLP) joins as a peer when deepspeed imports.
 
     python tools/bench_moe_layer.py                     # the issue's CPU bar (fp32)
     python tools/bench_moe_layer.py --dtype bf16 --tokens 16384 --peer te_grouped  # on a GPU
@@ -63,6 +64,29 @@ def megatron_moe_layer(config, peer: str = "sequential"):
     return spec(config=config)
 
 
+class _DeepSpeedPeer(torch.nn.Module):
+    """DeepSpeed's MoE layer returning (output, None) like Megatron's MLPs."""
+
+    def __init__(self, args):
+        super().__init__()
+        from megamoe.interop.deepspeed_moe import deepspeed_moe_layer, init_deepspeed_comm
+
+        init_deepspeed_comm()
+        self.moe = deepspeed_moe_layer(args.hidden, args.ffn, args.experts, args.topk, "swiglu")
+
+    def forward(self, x):
+        return self.moe(x)[0], None
+
+
+def deepspeed_peer(args):
+    """The DeepSpeed peer, or None where deepspeed does not import."""
+    try:
+        import deepspeed  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not available here"
+        return None
+    return _DeepSpeedPeer(args)
+
+
 def time_fwd_bwd(layers, x, warmup, iters):
     """Median wall time (ms) of forward + backward per layer, the layers taking turns each
     iteration so that background load affects all of them alike."""
@@ -104,6 +128,9 @@ def main(argv=None):
                     requires_grad=True)
     layers = {"megamoe": MegatronMoELayer(config),
               "megatron-core": megatron_moe_layer(config, args.peer)}
+    peer = deepspeed_peer(args)
+    if peer is not None:
+        layers["deepspeed"] = peer
     figures = {"device": torch.cuda.get_device_name() if device == "cuda" else
                f"cpu ({torch.get_num_threads()} threads)", "args": vars(args),
                "megatron_experts": type(layers["megatron-core"].experts).__name__}
@@ -116,6 +143,9 @@ def main(argv=None):
               f"Megatron experts {figures['megatron_experts']})")
     figures["ratio"] = figures["megamoe_ms"] / figures["megatron-core_ms"]
     print(f"ratio megamoe / megatron-core: {figures['ratio']:.3f}")
+    if "deepspeed_ms" in figures:
+        figures["ratio_deepspeed"] = figures["megamoe_ms"] / figures["deepspeed_ms"]
+        print(f"ratio megamoe / deepspeed: {figures['ratio_deepspeed']:.3f}")
     if args.json:
         from megamoe.atomic import atomic_write_text
 

@@ -1,11 +1,13 @@
 """Benchmark the upcycler on a ~1B-parameter dense checkpoint.
 
-    python tools/bench_upcycle.py --workdir /scratch/bench [--experts 8] [--results bench.json]
+    python tools/bench_upcycle.py --workdir /scratch/bench [--source megatron|hf] [--experts 8]
+                                  [--results bench.json]
 
-1. Builds a dense Megatron-Core GPTModel (fp32, random init; default 18 layers, hidden 2048,
-   SwiGLU FFN 5632, vocab 32000: about 1.06B parameters) and saves it with
-   `dist_checkpointing.save` (torch_dist), unless `--workdir` already holds it. This runs in its
-   own child process.
+1. Builds a dense model (fp32, random init; default 18 layers, hidden 2048, SwiGLU FFN 5632,
+   vocab 32000: about 1.06B parameters), unless `--workdir` already holds it, in its own child
+   process: `--source megatron` (default) a Megatron-Core GPTModel saved with
+   `dist_checkpointing.save` (torch_dist); `--source hf` a Hugging Face Llama (transformers,
+   grouped-query attention with 4 KV heads) saved as 1 GB safetensors shards.
 2. Runs `tools/upcycle_ckpt.py` on it in a child process (default: 8 experts, top-2, plain copy)
    and reads that process's peak RSS from the kernel (`wait4` rusage, ru_maxrss). The kernel
    counts the parent's resident memory at fork time into a child's ru_maxrss, so this process
@@ -75,6 +77,26 @@ def make_dense_checkpoint(directory: Path, layers: int, hidden: int, ffn: int, h
         teardown_megatron()
 
 
+def make_hf_checkpoint(directory: Path, layers: int, hidden: int, ffn: int, heads: int,
+                       vocab: int) -> int:
+    """Save a random-init fp32 Hugging Face Llama; returns its parameter count."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=4, rope_theta=500000.0, tie_word_embeddings=False)
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config)
+    params = sum(p.numel() for p in model.parameters())
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), max_shard_size="1GB")
+    os.replace(tmp, directory)
+    (directory / "params.txt").write_text(str(params))
+    return params
+
+
 def run_converter(dense: Path, output: Path, experts: int, topk: int,
                   granularity: int) -> tuple[float, int, int]:
     """(wall seconds, peak RSS bytes, exit code) of one converter process."""
@@ -91,6 +113,8 @@ def run_converter(dense: Path, output: Path, experts: int, topk: int,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", required=True, type=Path)
+    p.add_argument("--source", choices=("megatron", "hf"), default="megatron",
+                   help="dense checkpoint format: Megatron torch_dist or Hugging Face")
     p.add_argument("--layers", type=int, default=18)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--ffn", type=int, default=5632)
@@ -104,9 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--make-dense-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
-    dense = args.workdir / "dense"
+    dense = args.workdir / ("dense" if args.source == "megatron" else "dense_hf")
     if args.make_dense_only:
-        make_dense_checkpoint(dense, args.layers, args.hidden, args.ffn, args.heads, args.vocab)
+        make = make_dense_checkpoint if args.source == "megatron" else make_hf_checkpoint
+        make(dense, args.layers, args.hidden, args.ffn, args.heads, args.vocab)
         return 0
     if not (dense / "params.txt").exists():
         print(f"building the dense checkpoint in {dense} ...", flush=True)
@@ -126,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
              .splitlines()]
     convert_seconds = sum(part["seconds"] for part in parts)
     figures = {
-        "dense_parameters": params, "dense_bytes": directory_bytes(dense),
+        "source": args.source, "dense_parameters": params, "dense_bytes": directory_bytes(dense),
         "experts": args.experts, "topk": args.topk, "granularity": args.granularity,
         "wall_seconds": round(seconds, 2), "convert_seconds": round(convert_seconds, 2),
         "output_bytes": out_bytes, "mb_per_s_written": round(out_bytes / 1e6 / seconds, 1),

@@ -1,8 +1,10 @@
-"""Upcycle a dense Megatron-Core checkpoint into an MoE checkpoint.
+"""Upcycle a dense Megatron-Core or Hugging Face checkpoint into an MoE checkpoint.
 
     python tools/upcycle_ckpt.py --load DENSE --save OUT --num-experts 8 --topk 2 [options]
 
-Reads torch_dist or legacy (`iter_*/mp_rank_*/model_optim_rng.pt`) checkpoints at any TP/PP
+DENSE is a Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3: config.json and
+safetensors, sharded or not; OUT then also holds train_config.yaml, the model/moe sections of a
+megamoe training config for it, and the tokenizer), or a Megatron checkpoint: reads torch_dist or legacy (`iter_*/mp_rank_*/model_optim_rng.pt`) checkpoints at any TP/PP
 layout, writes a torch_dist MoE checkpoint in Megatron-Core's layout (loadable at any EP/TP/PP
 size) layer by layer, with a progress bar (stderr), and prints the Megatron-LM flags to train it
 with.
@@ -24,7 +26,8 @@ MEGATRON_LM_FLAGS = {"num_moe_experts": "--num-experts", "moe_router_topk": "--m
                      "moe_layer_freq": "--moe-layer-freq",
                      "moe_router_score_function": "--moe-router-score-function",
                      "moe_router_pre_softmax": "--moe-router-pre-softmax",
-                     "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size"}
+                     "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+                     "moe_shared_expert_gate": "--moe-shared-expert-gate"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -78,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="relative std of noise added to every expert matrix")
     p.add_argument("--shared-expert", action="store_true",
                    help="add a shared expert made from the dense MLP")
+    p.add_argument("--shared-expert-gate", action="store_true",
+                   help="gate the shared expert (sigmoid, zero-initialised), as Qwen2-MoE")
     p.add_argument("--moe-layers", default="all", help="all | every:N | comma list like 0,2,5")
     p.add_argument("--key-layout", choices=KEY_LAYOUTS, default="auto")
     p.add_argument("--target-spec", choices=TARGET_SPECS, default="local")
@@ -100,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         score_function=args.score_function, pre_softmax=args.pre_softmax,
         weight_scaling=args.weight_scaling, activation=args.activation,
         drop_ratio=args.drop_ratio, noise_std=args.noise_std, shared_expert=args.shared_expert,
+        shared_expert_gate=args.shared_expert_gate,
         moe_layers=parse_moe_layers(args.moe_layers), key_layout=args.key_layout,
         target_spec=args.target_spec, seed=args.seed)
     result = upcycle_checkpoint(args.load, args.save, recipe, overwrite=args.overwrite,

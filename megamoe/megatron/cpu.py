@@ -224,6 +224,20 @@ def _patch_checkpoint_save() -> None:
             _allocate_on_cpu(module, "save_state_dict_async_finalize")
 
 
+def _patch_rotary_device() -> None:
+    """Rotary embedding frequencies stay on CPU (0.16.1, 0.19.2:
+    `models/common/embeddings/rotary_pos_embedding.py`).
+
+    `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` on its first
+    call (the only CUDA use of RoPE with `use_cpu_initialization=True`; the rotation itself,
+    `apply_rotary_pos_emb` without `apply_rope_fusion`, is plain torch). Llama 3's frequency
+    scaling (`rope_scaling`) is applied in `__init__` and needs nothing.
+    """
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    _allocate_on_cpu(RotaryEmbedding, "get_emb")
+
+
 def _patch_missing_te_general_gemm() -> None:
     """Define `moe_utils.te_general_gemm = None` when it is missing (0.16.1 only).
 
@@ -368,6 +382,7 @@ _OVERRIDES: dict[str, Callable[[], None]] = {
     "alltoall_dispatcher": _patch_alltoall_dispatcher,
     "collectives_device": _patch_collectives_device,
     "checkpoint_save": _patch_checkpoint_save,
+    "rotary_device": _patch_rotary_device,
     "te_general_gemm": _patch_missing_te_general_gemm,
     "sequence_parallel_norm": _patch_sequence_parallel_norm,
     "checkpoint_without_output": _patch_checkpoint_without_output,

@@ -65,9 +65,18 @@ class ModelConfig:
     normalization: str = "RMSNorm"
     """`RMSNorm` or `LayerNorm`."""
     position_embedding: str = "learned_absolute"
-    """`learned_absolute` or `rope` (rotary; needs CUDA in Megatron-Core)."""
+    """`learned_absolute` or `rope` (rotary position embedding, arXiv 2104.09864)."""
     rotary_base: int = 10000
-    """RoPE base period."""
+    """RoPE base period (Llama 3: 500000, Qwen2: 1000000)."""
+    rope_scaling_factor: Optional[float] = None
+    """Llama 3.1's RoPE frequency scaling with this factor (Megatron-Core's `rope_scaling`:
+    low/high frequency factors 1 and 4, original context 8192); None: no scaling."""
+    kv_channels: Optional[int] = None
+    """Attention head dimension (None: hidden_size / num_attention_heads)."""
+    add_qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2)."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of the RMSNorm/LayerNorm denominators (Qwen2: 1e-6)."""
     swiglu: bool = True
     """Dense MLPs (and, unless `moe.activation` says otherwise, experts) use SwiGLU."""
     qk_layernorm: bool = False
@@ -597,6 +606,11 @@ def _check_ranges(config: TrainConfig) -> None:
              f"model.num_query_groups={groups} must divide model.num_attention_heads="
              f"{m.num_attention_heads} (or be null)")
     _require(m.init_method_std > 0, f"model.init_method_std={m.init_method_std} must be > 0")
+    _require(m.norm_epsilon > 0, f"model.norm_epsilon={m.norm_epsilon} must be > 0")
+    _require(m.kv_channels is None or m.kv_channels >= 1,
+             f"model.kv_channels={m.kv_channels} must be >= 1 or null")
+    _require(m.rope_scaling_factor is None or m.rope_scaling_factor >= 1,
+             f"model.rope_scaling_factor={m.rope_scaling_factor} must be >= 1 or null")
     for key, value in [("model.hidden_dropout", m.hidden_dropout),
                        ("model.attention_dropout", m.attention_dropout),
                        ("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)]:

@@ -18,7 +18,6 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
-from megamoe.errors import ConfigError
 from megamoe.megatron.specs import gpt_decoder_block_spec, moe_layer_pattern
 from megamoe.train.config import TrainConfig
 
@@ -32,11 +31,6 @@ def padded_vocab_size(vocab_size: int, config: TrainConfig) -> int:
 def transformer_config(config: TrainConfig, on_cuda: bool, bf16: bool) -> TransformerConfig:
     """Megatron-Core's TransformerConfig of the run (fp32 on CPU, bf16 or fp32 on CUDA)."""
     m, p = config.model, config.parallel
-    if not on_cuda and m.position_embedding == "rope":
-        raise ConfigError(
-            "model.position_embedding=rope needs CUDA (Megatron-Core moves the rotary embedding "
-            "to the GPU); use model.position_embedding=learned_absolute on CPU"
-        )
     moe = config.moe_config()
     return TransformerConfig(
         num_layers=m.num_layers,
@@ -48,6 +42,9 @@ def transformer_config(config: TrainConfig, on_cuda: bool, bf16: bool) -> Transf
         gated_linear_unit=m.swiglu,
         activation_func=F.silu if m.swiglu else F.gelu,
         qk_layernorm=m.qk_layernorm,
+        kv_channels=m.kv_channels,
+        add_qkv_bias=m.add_qkv_bias,
+        layernorm_epsilon=m.norm_epsilon,
         # Megatron's MLP with a linear bias trips an in-place-on-view autograd error on CPU.
         add_bias_linear=False,
         hidden_dropout=m.hidden_dropout,
@@ -141,6 +138,8 @@ def build_model(config: TrainConfig, tc: TransformerConfig, vocab_size: int
             share_embeddings_and_output_weights=config.model.share_embeddings,
             position_embedding_type=config.model.position_embedding,
             rotary_base=config.model.rotary_base,
+            rope_scaling=config.model.rope_scaling_factor is not None,
+            rope_scaling_factor=config.model.rope_scaling_factor or 8.0,
             vp_stage=vp_stage,
         ))
     return chunks

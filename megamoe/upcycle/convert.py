@@ -5,7 +5,10 @@ Output, in Megatron-LM's layout so `--load OUT` finds it: `OUT/latest_checkpoint
 `OUT/release/` (the torch_dist checkpoint, with megamoe's checksum manifest),
 `OUT/upcycle_recipe.json` (the recipe, also stored
 in the checkpoint's common state under `upcycle_recipe`) and `OUT/upcycle_metrics.jsonl` (one
-line per written part: seconds, bytes, MB/s). Everything is written to a temporary directory
+line per written part: seconds, bytes, MB/s). From a Hugging Face model also
+`OUT/train_config.yaml` (the `model` and `moe` sections of a megamoe training config that builds
+the MoE model, also in the common state under `megamoe_model`) and `OUT/hf_tokenizer/` (the
+model's tokenizer files, which tools/export_hf.py writes back out). Everything is written to a temporary directory
 that is renamed to OUT only when the conversion (and `verify`, if asked) succeeded.
 
 Memory: one dense layer, one expert at a time, and one non-layer tensor (e.g. the embedding).
@@ -15,11 +18,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+import yaml
 from tqdm import tqdm
 
 from megamoe.atomic import atomic_directory
@@ -35,6 +40,9 @@ from megamoe.upcycle.source import TRACKER, DenseSource, open_dense_checkpoint
 CHECKPOINT_SUBDIR = "release"
 RECIPE_FILE = "upcycle_recipe.json"
 METRICS_FILE = "upcycle_metrics.jsonl"
+TRAIN_CONFIG_FILE = "train_config.yaml"
+TOKENIZER_DIR = "hf_tokenizer"
+MODEL_SECTIONS_KEY = "megamoe_model"
 VERIFY_TOLERANCE = 1e-4
 # Megatron-LM argument names of the TransformerConfig fields in `megatron_settings`.
 ARG_NAMES = {"num_moe_experts": "num_experts"}
@@ -110,10 +118,18 @@ def upcycle_checkpoint(load, save, recipe: UpcycleRecipe, overwrite: bool = Fals
         common = {"checkpoint_version": 3.0, "iteration": 0, "upcycle_recipe": record}
         if source.args is not None:
             common["args"] = _moe_args(source.args, record["megatron_settings"])
+        sections = train_sections(source.model_settings, record)
+        if sections is not None:
+            common[MODEL_SECTIONS_KEY] = sections
+            (tmp / TRAIN_CONFIG_FILE).write_text(yaml.safe_dump(sections, sort_keys=False))
         writer.finish(common)
         write_manifest(checkpoint_dir)
         (tmp / TRACKER).write_text(CHECKPOINT_SUBDIR)
         (tmp / RECIPE_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        if source.side_files:
+            (tmp / TOKENIZER_DIR).mkdir()
+            for path in source.side_files:
+                shutil.copyfile(path, tmp / TOKENIZER_DIR / path.name)
         (tmp / METRICS_FILE).write_text("".join(json.dumps(m) + "\n" for m in metrics))
         seconds = time.perf_counter() - start
         log(f"wrote {writer.bytes_written / 2**20:.1f} MiB in {seconds:.1f} s "
@@ -194,12 +210,31 @@ def _record(recipe: UpcycleRecipe, source: DenseSource, load: Path, pattern: lis
     }
 
 
+def train_sections(model_settings: Optional[dict], record: dict) -> Optional[dict]:
+    """The `model` and `moe` sections of a megamoe training config that build the upcycled
+    model (None when the source does not tell the whole architecture)."""
+    if model_settings is None:
+        return None
+    mg = record["megatron_settings"]
+    model = {**model_settings, "moe_layer_freq": mg["moe_layer_freq"]}
+    moe = {"num_experts": mg["num_moe_experts"], "ffn_hidden_size": mg["moe_ffn_hidden_size"],
+           "topk": mg["moe_router_topk"], "score_function": mg["moe_router_score_function"],
+           "pre_softmax": mg["moe_router_pre_softmax"],
+           "shared_expert_ffn_size": mg["moe_shared_expert_intermediate_size"],
+           "shared_expert_gate": mg.get("moe_shared_expert_gate", False)}
+    return {"model": model, "moe": moe}
+
+
 def _verify(source: DenseSource, checkpoint_dir: Path, record: dict,
             arch_overrides: Optional[dict], log: Callable[[str], None]) -> float:
     """Compare dense and MoE logits; enforce the bar for function-preserving recipes."""
-    from megamoe.upcycle.verify import max_logit_difference
-
-    diff = max_logit_difference(source, checkpoint_dir, record, arch_overrides or {})
+    if source.format == "hf_safetensors":
+        from megamoe.interop.logits import hf_vs_megamoe
+        diff = hf_vs_megamoe(source.directory, checkpoint_dir,
+                             train_sections(source.model_settings, record))
+    else:
+        from megamoe.upcycle.verify import max_logit_difference
+        diff = max_logit_difference(source, checkpoint_dir, record, arch_overrides or {})
     if record["function_preserving"]:
         log(f"verify: max |logit diff| = {diff:.3e} (bar {VERIFY_TOLERANCE:.0e})")
         if not diff <= VERIFY_TOLERANCE:

@@ -49,8 +49,11 @@ class DistSource:
     """A dense torch_dist checkpoint read layer by layer (see megamoe.upcycle.source)."""
 
     format = "torch_dist"
+    model_settings = None
+    side_files: list = []
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, moe: bool = False):
+        """moe: also accept (and read) MoE layers, for exporters; the upcycler refuses them."""
         if has_manifest(directory):
             problem = verify_folder(directory)
             if problem is not None:
@@ -61,7 +64,8 @@ class DistSource:
         tensors = {key: md for key, md in self.reader.tensors().items()
                    if not key.startswith(SKIPPED_PREFIXES)}
         objects = [key for key in self.reader.objects() if not key.startswith(SKIPPED_PREFIXES)]
-        check_not_moe(list(tensors) + objects, str(directory))
+        if not moe:
+            check_not_moe(list(tensors) + objects, str(directory))
         self._stacked: dict[str, tuple[int, ...]] = {}
         self._layer_keys: dict[int, list[str]] = {}
         self._non_layer: list[str] = []
@@ -78,7 +82,7 @@ class DistSource:
         for key in objects:
             self._index_object(key)
         self.num_layers = self._count_layers(directory)
-        if not any(s.endswith("mlp.linear_fc2.weight") for s in self._suffixes()):
+        if not any(s.endswith("linear_fc2.weight") for s in self._suffixes()):
             raise CheckpointError(f"{directory} has no decoder.layers.*mlp.linear_fc2.weight; "
                                   "it is not a dense Megatron-Core GPT checkpoint")
         self.key_layout = ("stacked" if self._stacked else

@@ -74,5 +74,11 @@ class LayerUpcycler:
         return mlp.to(self.dtype)
 
     def shared_expert(self) -> MLPWeights:
-        """The dense MLP with its output halved (the routed experts carry the other half)."""
-        return apply_factors(self.dense, MatrixFactors(1.0, 1.0, 0.5)).to(self.dtype)
+        """The dense MLP with its output halved (the routed experts carry the other half); with
+        `shared_expert_gate` unchanged, since the zero-initialised gate halves it."""
+        half = 1.0 if self.recipe.shared_expert_gate else 0.5
+        return apply_factors(self.dense, MatrixFactors(1.0, 1.0, half)).to(self.dtype)
+
+    def shared_expert_gate(self) -> torch.Tensor:
+        """Shared-expert gate weight [1, H], zeros: sigmoid(0) = 0.5."""
+        return torch.zeros(1, self.dense.fc1.shape[1], dtype=self.dtype)

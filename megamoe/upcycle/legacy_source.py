@@ -72,6 +72,8 @@ class LegacySource:
     """A dense legacy checkpoint read layer by layer (see megamoe.upcycle.source)."""
 
     format = "legacy"
+    model_settings = None
+    side_files: list = []
     key_layout = "module"
 
     def __init__(self, directory: Path):

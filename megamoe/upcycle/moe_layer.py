@@ -94,6 +94,9 @@ def moe_layer_items(layout: KeyLayout, layer: int, dense: DenseLayer, recipe: Up
                                glu_halves=mlp.gated)
         chunks += _passthrough(layout, "mlp.shared_experts.linear_fc2.weight", layer, shared.fc2,
                                glu_halves=False)
+        if recipe.shared_expert_gate:
+            chunks += _passthrough(layout, "mlp.shared_experts.gate_weight", layer,
+                                   upcycler.shared_expert_gate(), glu_halves=False)
         objects += [layout.layer_object(f"mlp.shared_experts.linear_fc{i}._extra_state", layer,
                                         dense.objects[key])
                     for i, key in FC_EXTRA.items() if key in dense.objects]

@@ -66,6 +66,11 @@ class UpcycleRecipe:
     """Add a shared expert made from the dense MLP. Its output and the routed experts' are each
     halved, so the layer still computes the dense function when the routed part does."""
 
+    shared_expert_gate: bool = False
+    """The shared expert's output is scaled by sigmoid(x . w_gate), as in Qwen2-MoE; w_gate
+    starts at zero, so the gate is 0.5 and takes the place of halving the shared expert's
+    weights (the dense function is still preserved). Needs `shared_expert`."""
+
     moe_layers: Union[str, int, tuple] = "all"
     """Which layers become MoE: `all`, every n-th (an int n, Megatron's `moe_layer_freq=n`:
     layers 0, n, 2n, ...), or a tuple of 0-based layer indices."""
@@ -103,6 +108,8 @@ class UpcycleRecipe:
         _check_choice("target_spec", self.target_spec, TARGET_SPECS)
         if self.activation is not None:
             _check_choice("activation", self.activation, ACTIVATIONS)
+        if self.shared_expert_gate and not self.shared_expert:
+            raise ConfigError("shared_expert_gate=True needs shared_expert=True")
         if self.pre_softmax and self.score_function != "softmax":
             raise ConfigError("pre_softmax=True needs score_function='softmax'")
         if not 0.0 <= self.drop_ratio <= 1.0:
@@ -176,7 +183,9 @@ class UpcycleRecipe:
 
     def megatron_settings(self, num_layers: int, dense_ffn_size: int) -> dict:
         """The Megatron-Core TransformerConfig `moe_*` fields the MoE model must use."""
+        gate = {"moe_shared_expert_gate": True} if self.shared_expert_gate else {}
         return dict(
+            **gate,
             num_moe_experts=self.num_experts,
             moe_router_topk=self.topk,
             moe_ffn_hidden_size=dense_ffn_size // self.granularity,

@@ -5,7 +5,8 @@ Both readers return global (tensor-parallel merged) tensors keyed by Megatron's 
 suffix within a layer (e.g. `self_attention.linear_qkv.weight`, `mlp.linear_fc1.weight`,
 `mlp.linear_fc1.layer_norm_weight`), one layer at a time.
 
-Accepted paths: a Megatron-LM checkpoint root (`latest_checkpointed_iteration.txt` names the
+Accepted paths: a Hugging Face model directory (`config.json` + safetensors, read by
+megamoe.interop.hf_source), a Megatron-LM checkpoint root (`latest_checkpointed_iteration.txt` names the
 iteration), a root holding `iter_*` directories (the latest is taken), or one checkpoint
 directory: torch_dist (`metadata.json` + `.metadata` + `*.distcp`) or legacy per-rank files
 (`mp_rank_XX[_YYY]/model_optim_rng.pt`).
@@ -38,7 +39,7 @@ class DenseLayer:
 
 class DenseSource(Protocol):
     format: str
-    """`torch_dist` or `legacy`."""
+    """`torch_dist`, `legacy` or `hf_safetensors`."""
     description: str
     """One line for logs and the recipe: format, layout and path."""
     num_layers: int
@@ -46,6 +47,11 @@ class DenseSource(Protocol):
     """Megatron-LM's saved arguments, when the checkpoint has them."""
     key_layout: str
     """torch_dist: `stacked`, `per_layer` or `singleton`; legacy: `module` (state_dict keys)."""
+    model_settings: Optional[dict]
+    """The megamoe training config's `model` section of this network, when the source tells
+    all of it (Hugging Face models); None for Megatron checkpoints."""
+    side_files: list
+    """Files copied next to the output unchanged (a Hugging Face model's tokenizer)."""
 
     def layer(self, index: int) -> DenseLayer: ...
 
@@ -88,9 +94,12 @@ def resolve_checkpoint_dir(path: Path) -> Path:
 
 def open_dense_checkpoint(path) -> DenseSource:
     """Detect the format of the checkpoint at `path` and open it for layer-by-layer reading."""
+    from megamoe.interop.hf_source import HFSource, is_hf_directory
     from megamoe.upcycle.dist_source import DistSource
     from megamoe.upcycle.legacy_source import LegacySource
 
+    if is_hf_directory(Path(path)):
+        return HFSource(Path(path))
     directory = resolve_checkpoint_dir(Path(path))
     if (directory / "metadata.json").exists():
         try:

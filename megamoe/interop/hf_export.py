@@ -1,0 +1,332 @@
+"""Export a megamoe MoE checkpoint as a Hugging Face Mixtral, Qwen2-MoE or Qwen3-MoE model.
+
+Input: a torch_dist checkpoint written by megamoe (a training checkpoint, whose common state
+holds the run's `config`, or tools/upcycle_ckpt.py's output from a Hugging Face model, whose
+common state holds `megamoe_model`). The architecture is taken from those `model`/`moe`
+sections; what the target architecture cannot express is refused in one line before anything
+is written (`check_expressible`). Tensors are read one layer at a time through DCP
+(megamoe.upcycle.dist_source, any key layout) and written into size-bounded safetensors shards
+(megamoe.interop.safetensors_io), so memory holds one layer plus one shard.
+
+Key mapping, layer l (`model.layers.{l}.`), Megatron -> Hugging Face (hub layout, per expert):
+- `self_attention.linear_qkv.layer_norm_weight` -> `input_layernorm.weight`
+- `self_attention.linear_qkv.weight|bias` -> `self_attn.{q,k,v}_proj.weight|bias`
+  (megamoe.interop.hf_source.split_qkv); Qwen2-MoE always has QKV biases (zeros when absent)
+- `self_attention.linear_proj.weight` -> `self_attn.o_proj.weight`
+- `self_attention.{q,k}_layernorm.weight` -> `self_attn.{q,k}_norm.weight` (Qwen3-MoE)
+- `mlp.linear_fc1.layer_norm_weight` (or `pre_mlp_layernorm.weight`) -> `post_attention_layernorm`
+- `mlp.router.weight` -> Mixtral `block_sparse_moe.gate.weight`, Qwen `mlp.gate.weight`
+- expert e's `linear_fc1` [gate; up] and `linear_fc2` -> Mixtral `block_sparse_moe.experts.{e}.
+  w1|w3|w2`, Qwen `mlp.experts.{e}.gate_proj|up_proj|down_proj`
+- `mlp.shared_experts.linear_fc1|fc2|gate_weight` -> Qwen2-MoE `mlp.shared_expert.*`,
+  `mlp.shared_expert_gate.weight`
+- dense layers (`mlp.linear_fc1|fc2`) -> `mlp.gate_proj|up_proj|down_proj` (`mlp_only_layers`)
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from megamoe.atomic import atomic_directory
+from megamoe.errors import CheckpointError, ConfigError
+from megamoe.interop.hf_arch import HFArch
+from megamoe.interop.hf_source import TOKENIZER_FILES, split_qkv
+from megamoe.interop.safetensors_io import ShardedSafetensorsWriter
+
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+TOKENIZER_DIR = "hf_tokenizer"
+EXPERTS = "mlp.experts.experts."
+VERIFY_TOLERANCE = 1e-4
+
+
+@dataclass
+class ExportResult:
+    output: Path
+    arch: str
+    shards: list[str]
+    bytes_written: int
+    max_logit_diff: Optional[float] = None
+
+
+def _model_sections(common: dict, folder: Path) -> dict:
+    for key in ("config", "megamoe_model"):
+        sections = common.get(key)
+        if isinstance(sections, dict) and isinstance(sections.get("model"), dict) \
+                and isinstance(sections.get("moe"), dict):
+            return {"model": sections["model"], "moe": sections["moe"]}
+    raise CheckpointError(f"{folder} records no megamoe model settings (neither a megamoe "
+                          "training checkpoint nor tools/upcycle_ckpt.py output from a Hugging "
+                          "Face model); export needs one of those")
+
+
+def _layer_kinds(config) -> list[bool]:
+    from megamoe.megatron.specs import moe_layer_pattern
+    from megamoe.train.model import _moe_layer_freq
+    from types import SimpleNamespace
+
+    m = config.model
+    return moe_layer_pattern(SimpleNamespace(moe_layer_freq=_moe_layer_freq(config),
+                                             num_layers=m.num_layers))
+
+
+def default_arch(config) -> str:
+    """The architecture that expresses this model: Qwen3-MoE with QK norm, Qwen2-MoE with a
+    shared expert, else Mixtral."""
+    if config.model.qk_layernorm:
+        return "qwen3_moe"
+    if config.moe_config().shared_expert_ffn_size:
+        return "qwen2_moe"
+    return "mixtral"
+
+
+def check_expressible(arch: str, config, pattern: list[bool]) -> None:
+    """Raise a one-line ConfigError for the first setting `arch` cannot express."""
+    m, moe = config.model, config.moe_config()
+
+    def refuse(what: str, fix: str) -> None:
+        raise ConfigError(f"--arch {arch} cannot express {what}; {fix}")
+
+    if arch not in ARCHS:
+        raise ConfigError(f"--arch {arch!r} is not one of {list(ARCHS)}")
+    if config.moe["layer_overrides"]:
+        refuse("per-layer MoE overrides (moe.layer_overrides)", "export a uniform MoE model")
+    if moe.router_type != "topk":
+        refuse(f"router_type={moe.router_type!r} (only softmax top-k)", "train with topk")
+    if moe.score_function != "softmax":
+        refuse(f"score_function={moe.score_function!r} routing (only softmax)",
+               "train with moe.score_function=softmax")
+    if moe.num_groups or moe.groups_per_token:
+        refuse("group-limited routing (moe.num_groups)", "train without group limits")
+    if moe.topk_scaling_factor not in (None, 1.0):
+        refuse(f"topk_scaling_factor={moe.topk_scaling_factor}", "train without it")
+    if moe.capacity_factor is not None:
+        refuse(f"capacity_factor={moe.capacity_factor} (token dropping; Hugging Face MoE "
+               "blocks are dropless)", "train dropless (moe.capacity_factor=null)")
+    if moe.activation != "swiglu" or not m.swiglu:
+        refuse(f"activation {moe.activation!r} (only SwiGLU)", "train with SwiGLU")
+    if m.normalization != "RMSNorm" or m.position_embedding != "rope":
+        refuse(f"normalization={m.normalization} / position_embedding={m.position_embedding} "
+               "(only RMSNorm and RoPE)", "train a Llama-shaped model")
+    if arch == "mixtral":
+        if moe.pre_softmax and moe.topk > 1:
+            refuse("gates without renormalisation (moe.pre_softmax=true)", "use qwen2_moe or "
+                   "qwen3_moe (norm_topk_prob=false)")
+        if not all(pattern):
+            refuse("dense layers between MoE layers (Mixtral has none)",
+                   "use qwen2_moe or qwen3_moe (mlp_only_layers)")
+        if m.add_qkv_bias:
+            refuse("QKV biases", "use qwen2_moe")
+    shared = moe.shared_expert_ffn_size
+    if arch in ("mixtral", "qwen3_moe") and shared:
+        refuse("a shared expert", "use qwen2_moe (shared expert with gate)")
+    if arch == "qwen2_moe" and not (shared and moe.shared_expert_gate):
+        refuse("an MoE layer without a gated shared expert (Qwen2-MoE always has one)",
+               "use mixtral or qwen3_moe")
+    if (arch == "qwen3_moe") != m.qk_layernorm:
+        refuse(f"qk_layernorm={m.qk_layernorm} (Qwen3-MoE always normalises Q and K, the "
+               "others never)", "use qwen3_moe exactly for models with model.qk_layernorm")
+
+
+def hf_config(arch: str, config, pattern: list[bool], vocab_size: int) -> dict:
+    """The config.json of the exported model."""
+    m, moe = config.model, config.moe_config()
+    head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
+    common = dict(
+        architectures=[ARCHITECTURES[arch]], model_type=arch, vocab_size=vocab_size,
+        hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_query_groups or m.num_attention_heads, head_dim=head_dim,
+        hidden_act="silu", max_position_embeddings=max(m.seq_length, 4096),
+        rms_norm_eps=m.norm_epsilon, rope_theta=float(m.rotary_base),
+        tie_word_embeddings=m.share_embeddings, num_experts_per_tok=moe.topk,
+        attention_dropout=0.0, use_cache=True, torch_dtype="float32")
+    if m.rope_scaling_factor is not None:
+        common["rope_scaling"] = {"rope_type": "llama3", "factor": m.rope_scaling_factor,
+                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 8192}
+    if arch == "mixtral":
+        return {**common, "intermediate_size": moe.ffn_hidden_size,
+                "num_local_experts": moe.num_experts, "sliding_window": None,
+                "router_aux_loss_coef": 0.0}
+    qwen = {**common, "intermediate_size": m.ffn_hidden_size,
+            "moe_intermediate_size": moe.ffn_hidden_size, "num_experts": moe.num_experts,
+            "norm_topk_prob": not moe.pre_softmax, "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i, is_moe in enumerate(pattern) if not is_moe],
+            "use_sliding_window": False, "router_aux_loss_coef": 0.0}
+    if arch == "qwen2_moe":
+        return {**qwen, "shared_expert_intermediate_size": moe.shared_expert_ffn_size,
+                "qkv_bias": True}
+    return {**qwen, "attention_bias": m.add_qkv_bias}
+
+
+class _LayerMapper:
+    """Hugging Face tensors of one Megatron layer (see the module docstring)."""
+
+    def __init__(self, arch: str, config):
+        m = config.model
+        self.arch = arch
+        self.attn = HFArch(
+            model_type=arch, num_layers=m.num_layers, hidden_size=m.hidden_size,
+            num_attention_heads=m.num_attention_heads,
+            num_key_value_heads=m.num_query_groups or m.num_attention_heads,
+            head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads,
+            intermediate_size=m.ffn_hidden_size, vocab_size=0, rope_theta=m.rotary_base,
+            rope_scaling_factor=m.rope_scaling_factor, rms_norm_eps=m.norm_epsilon,
+            tie_word_embeddings=m.share_embeddings, qkv_bias=m.add_qkv_bias,
+            qk_norm=m.qk_layernorm, max_position_embeddings=m.seq_length)
+        self.moe_prefix = "block_sparse_moe." if arch == "mixtral" else "mlp."
+        self.expert_names = (("w1", "w3", "w2") if arch == "mixtral"
+                             else ("gate_proj", "up_proj", "down_proj"))
+
+    def tensors(self, index: int, mg: dict[str, torch.Tensor], is_moe: bool
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        p = f"model.layers.{index}."
+        yield p + "input_layernorm.weight", mg["self_attention.linear_qkv.layer_norm_weight"]
+        norm = mg.get("mlp.linear_fc1.layer_norm_weight", mg.get("pre_mlp_layernorm.weight"))
+        yield p + "post_attention_layernorm.weight", norm
+        q, k, v = split_qkv(mg["self_attention.linear_qkv.weight"], self.attn)
+        yield from ((p + f"self_attn.{n}_proj.weight", t) for n, t in zip("qkv", (q, k, v)))
+        if "self_attention.linear_qkv.bias" in mg or self.arch == "qwen2_moe":
+            bias = mg.get("self_attention.linear_qkv.bias")
+            if bias is None:
+                bias = torch.zeros(mg["self_attention.linear_qkv.weight"].shape[0],
+                                   dtype=q.dtype)
+            qb, kb, vb = split_qkv(bias, self.attn)
+            yield from ((p + f"self_attn.{n}_proj.bias", t) for n, t in zip("qkv", (qb, kb, vb)))
+        yield p + "self_attn.o_proj.weight", mg["self_attention.linear_proj.weight"]
+        for side in "qk":
+            if f"self_attention.{side}_layernorm.weight" in mg:
+                yield p + f"self_attn.{side}_norm.weight", \
+                    mg[f"self_attention.{side}_layernorm.weight"]
+        if not is_moe:
+            yield from self._mlp(p + "mlp.", ("gate_proj", "up_proj", "down_proj"),
+                                 mg["mlp.linear_fc1.weight"], mg["mlp.linear_fc2.weight"])
+            return
+        bias = mg.get("mlp.router.expert_bias")
+        if bias is not None and bool(bias.abs().max() > 0):
+            raise ConfigError(f"--arch {self.arch} cannot express the expert bias of layer "
+                              f"{index} (loss-free balancing steers selection; max |bias| "
+                              f"{float(bias.abs().max()):.3g}); train without moe.balancing=bias")
+        yield p + self.moe_prefix + "gate.weight", mg["mlp.router.weight"]
+        for e, (fc1, fc2) in enumerate(_experts(mg, index)):
+            yield from self._mlp(f"{p}{self.moe_prefix}experts.{e}.", self.expert_names, fc1,
+                                 fc2)
+        if "mlp.shared_experts.linear_fc1.weight" in mg:
+            yield from self._mlp(p + "mlp.shared_expert.", ("gate_proj", "up_proj", "down_proj"),
+                                 mg["mlp.shared_experts.linear_fc1.weight"],
+                                 mg["mlp.shared_experts.linear_fc2.weight"])
+            yield p + "mlp.shared_expert_gate.weight", \
+                mg["mlp.shared_experts.gate_weight"].reshape(1, -1)
+
+    @staticmethod
+    def _mlp(prefix: str, names: tuple[str, str, str], fc1: torch.Tensor, fc2: torch.Tensor
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+        gate, up = fc1.chunk(2)
+        yield prefix + f"{names[0]}.weight", gate.contiguous()
+        yield prefix + f"{names[1]}.weight", up.contiguous()
+        yield prefix + f"{names[2]}.weight", fc2
+
+
+def _experts(mg: dict[str, torch.Tensor], index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(fc1, fc2) per global expert, from stacked [E, ...] or singleton per-expert keys."""
+    if EXPERTS + "linear_fc1.weight" in mg:
+        return list(zip(mg[EXPERTS + "linear_fc1.weight"], mg[EXPERTS + "linear_fc2.weight"]))
+    count = sum(1 for key in mg if key.startswith(EXPERTS) and key.endswith("linear_fc2.weight"))
+    if not count:
+        raise CheckpointError(f"layer {index} has a router but no expert weights; the "
+                              "checkpoint is incomplete")
+    return [(mg[f"{EXPERTS}{e}.linear_fc1.weight"], mg[f"{EXPERTS}{e}.linear_fc2.weight"])
+            for e in range(count)]
+
+
+def _copy_tokenizer(tokenizer: Optional[Path], root: Path, out: Path) -> bool:
+    """Copy the Hugging Face tokenizer files of `tokenizer` (default: the upcycler's
+    `hf_tokenizer/` beside the checkpoint); False when there is none."""
+    source = tokenizer
+    if source is None:
+        for candidate in (root / TOKENIZER_DIR, root.parent / TOKENIZER_DIR):
+            if candidate.is_dir():
+                source = candidate
+                break
+    if source is None:
+        return False
+    if not source.is_dir():
+        raise ConfigError(f"--tokenizer {source} is not a directory of Hugging Face tokenizer "
+                          "files")
+    files = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
+    for path in files:
+        shutil.copyfile(path, out / path.name)
+    return bool(files)
+
+
+def export_hf(load, save, arch: Optional[str] = None, tokenizer=None, overwrite: bool = False,
+              verify: bool = False, max_shard_bytes: int = 2 * 2**30,
+              log: Callable[[str], None] = print) -> ExportResult:
+    """Write the MoE checkpoint at `load` as a Hugging Face model directory `save` (see the
+    module docstring). verify: load it with transformers and compare logits with megamoe's
+    (max |difference| <= 1e-4 in fp32), and run `generate`."""
+    from megamoe.checkpointing.safe_dcp import load_common_state
+    from megamoe.train.checkpoint import resolve_weights_dir
+    from megamoe.train.config import config_from_dict
+    from megamoe.upcycle.dist_source import DistSource
+
+    folder = resolve_weights_dir(load)
+    sections = _model_sections(load_common_state(folder), folder)
+    config = config_from_dict(sections)
+    pattern = _layer_kinds(config)
+    arch = arch or default_arch(config)
+    check_expressible(arch, config, pattern)
+    source = DistSource(folder, moe=True)
+    if source.num_layers != config.model.num_layers:
+        raise CheckpointError(f"{folder} has {source.num_layers} layers but its config says "
+                              f"{config.model.num_layers}; the checkpoint is corrupt")
+    mapper = _LayerMapper(arch, config)
+    with atomic_directory(save, overwrite=overwrite) as tmp:
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
+        vocab_size = None
+        for key, tensor in source.non_layer_tensors():
+            name = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+                    "decoder.final_layernorm.weight": "model.norm.weight",
+                    "output_layer.weight": "lm_head.weight"}.get(key)
+            if name is None:
+                continue
+            if name == "model.embed_tokens.weight":
+                vocab_size = tensor.shape[0]
+            if name != "lm_head.weight" or not config.model.share_embeddings:
+                writer.add(name, tensor)
+        for index, is_moe in enumerate(pattern):
+            writer.add_all(mapper.tensors(index, source.layer(index).tensors, is_moe))
+        shards = writer.finish()
+        (tmp / "config.json").write_text(json.dumps(
+            hf_config(arch, config, pattern, vocab_size), indent=2) + "\n")
+        has_tokenizer = _copy_tokenizer(Path(tokenizer) if tokenizer else None,
+                                        Path(load), tmp)
+        log(f"exported {folder} as {arch}: {len(shards)} shard(s), "
+            f"{writer.total_bytes / 2**20:.1f} MiB"
+            + ("" if has_tokenizer else " (no tokenizer found: pass --tokenizer DIR)"))
+        diff = _verify(tmp, folder, sections, log) if verify else None
+    return ExportResult(Path(save), arch, shards, writer.total_bytes, diff)
+
+
+def _verify(out: Path, folder: Path, sections: dict, log: Callable[[str], None]) -> float:
+    from megamoe.interop.logits import hf_logits, load_hf_model, megamoe_logits, sample_tokens
+
+    hf = load_hf_model(out)
+    tokens = sample_tokens(hf.config.vocab_size)
+    reference = hf_logits(hf, tokens)
+    hf.generate(tokens[:1, :8], max_new_tokens=4, do_sample=False)
+    ours = megamoe_logits(folder, {**sections, "vocab_size": reference.shape[-1]}, tokens)
+    diff = float((reference - ours).abs().max())
+    log(f"verify: max |logit diff| megamoe vs transformers = {diff:.3e} (bar "
+        f"{VERIFY_TOLERANCE:.0e}); generate ran")
+    if not diff <= VERIFY_TOLERANCE:
+        raise CheckpointError(f"verification failed: max |logit diff| {diff:.3e} exceeds "
+                              f"{VERIFY_TOLERANCE:.0e}; no output was written")
+    return diff

@@ -1,0 +1,134 @@
+"""A dense Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3 safetensors) read as the
+upcycler's DenseSource: one layer at a time, in Megatron-Core's key names and layouts.
+
+Mapping (HF `model.layers.{l}.` -> Megatron `decoder.layers.{l}.`; Megatron-Core's GPT layer with
+Transformer-Engine-style sharded keys, which its local spec saves as well):
+- `input_layernorm.weight` -> `self_attention.linear_qkv.layer_norm_weight`
+- `self_attn.{q,k,v}_proj.weight|bias` -> `self_attention.linear_qkv.weight|bias`, rows grouped
+  per key/value head: for each group g, its Q heads, then its K head, then its V head (the
+  layout `SelfAttention.get_query_key_value_tensors` splits).
+- `self_attn.o_proj.weight` -> `self_attention.linear_proj.weight`
+- `self_attn.{q,k}_norm.weight` (Qwen3) -> `self_attention.{q,k}_layernorm.weight`
+- `post_attention_layernorm.weight` -> `mlp.linear_fc1.layer_norm_weight`
+- `mlp.{gate,up}_proj.weight` -> `mlp.linear_fc1.weight` = [gate; up] (Megatron's SwiGLU halves)
+- `mlp.down_proj.weight` -> `mlp.linear_fc2.weight`
+- `model.embed_tokens.weight`, `model.norm.weight`, `lm_head.weight` ->
+  `embedding.word_embeddings.weight`, `decoder.final_layernorm.weight`, `output_layer.weight`
+  (absent when the embeddings are tied).
+RoPE needs no permutation: HF's Llama-family checkpoints already use the rotate-half convention
+that Megatron-Core's non-interleaved RoPE applies.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from megamoe.errors import CheckpointError
+from megamoe.interop.hf_arch import HFArch, read_config_json, read_hf_arch
+from megamoe.interop.safetensors_io import SafetensorsReader
+from megamoe.upcycle.layout import ObjectItem
+from megamoe.upcycle.source import DenseLayer
+
+HF_LAYER = "model.layers.{}."
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                   "special_tokens_map.json", "vocab.json", "merges.txt", "generation_config.json")
+NON_LAYER = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
+             "model.norm.weight": "decoder.final_layernorm.weight",
+             "lm_head.weight": "output_layer.weight"}
+DIRECT = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+          "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+          "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+          "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+          "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+          "mlp.down_proj.weight": "mlp.linear_fc2.weight"}
+UNSUPPORTED = ("mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias",
+               "self_attn.o_proj.bias")
+
+
+def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """Megatron's fused QKV rows [groups x (Q heads of g, K of g, V of g)] from HF's q, k, v
+    (weights [rows, H] or biases [rows])."""
+    tail = q.shape[1:]
+    q_g, k_g, v_g = (t.reshape(groups, -1, *tail) for t in (q, k, v))
+    return torch.cat([q_g, k_g, v_g], dim=1).reshape(-1, *tail)
+
+
+def split_qkv(qkv: torch.Tensor, arch: HFArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `interleave_qkv`: HF's q, k, v from Megatron's fused rows."""
+    groups, d = arch.num_key_value_heads, arch.head_dim
+    per_group = arch.num_attention_heads // groups * d
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(groups, per_group + 2 * d, *tail)
+    q, k, v = grouped.split([per_group, d, d], dim=1)
+    return tuple(t.reshape(-1, *tail).contiguous() for t in (q, k, v))
+
+
+def is_hf_directory(path: Path) -> bool:
+    """A Hugging Face model directory (config.json next to the weights)."""
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+class HFSource:
+    """A dense Hugging Face safetensors model read layer by layer (see the module docstring)."""
+
+    format = "hf_safetensors"
+    args = None
+    key_layout = "hf"
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.arch = read_hf_arch(directory)
+        self.hf_config = read_config_json(directory)
+        self.reader = SafetensorsReader(directory)
+        self.num_layers = self.arch.num_layers
+        self.description = (f"Hugging Face {self.arch.model_type} ({self.num_layers} layers, "
+                            f"hidden {self.arch.hidden_size}) at {directory}")
+        self.model_settings = self.arch.model_settings()
+        self.side_files = [directory / name for name in TOKENIZER_FILES
+                           if (directory / name).is_file()]
+        self._check_names()
+
+    def _check_names(self) -> None:
+        names = self.reader.names()
+        extra = sorted(n for n in names if n.startswith("model.layers.") and
+                       int(n.split(".")[2]) >= self.num_layers)
+        if extra:
+            raise CheckpointError(f"{self.directory}: tensor {extra[0]} is beyond num_hidden_"
+                                  f"layers={self.num_layers}; config.json and the weights differ")
+        bad = sorted(n for n in names if n.split(".", 3)[-1] in UNSUPPORTED)
+        if bad:
+            raise CheckpointError(f"{self.directory}: {bad[0]} (MLP/output-projection biases) "
+                                  "is not supported by megamoe's layers")
+        if not self.arch.tie_word_embeddings and "lm_head.weight" not in self.reader:
+            raise CheckpointError(f"{self.directory} lacks lm_head.weight but config.json says "
+                                  "tie_word_embeddings=false; the checkpoint is incomplete")
+
+    def layer(self, index: int) -> DenseLayer:
+        prefix = HF_LAYER.format(index)
+
+        def read(suffix: str) -> torch.Tensor:
+            return self.reader.read(prefix + suffix)
+
+        tensors = {mg: read(hf) for hf, mg in DIRECT.items() if prefix + hf in self.reader}
+        groups = self.arch.num_key_value_heads
+        tensors["self_attention.linear_qkv.weight"] = interleave_qkv(
+            read("self_attn.q_proj.weight"), read("self_attn.k_proj.weight"),
+            read("self_attn.v_proj.weight"), groups)
+        if self.arch.qkv_bias:
+            tensors["self_attention.linear_qkv.bias"] = interleave_qkv(
+                read("self_attn.q_proj.bias"), read("self_attn.k_proj.bias"),
+                read("self_attn.v_proj.bias"), groups)
+        tensors["mlp.linear_fc1.weight"] = torch.cat([read("mlp.gate_proj.weight"),
+                                                      read("mlp.up_proj.weight")])
+        return DenseLayer(tensors)
+
+    def non_layer_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for hf, mg in NON_LAYER.items():
+            if hf == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue
+            yield mg, self.reader.read(hf)
+
+    def non_layer_objects(self) -> list[ObjectItem]:
+        return []

@@ -1,0 +1,74 @@
+"""Logits of a Hugging Face model (transformers, fp32, CPU) against a megamoe checkpoint's.
+
+The megamoe side is the training model itself: `megamoe.train.model.build_model` from the
+checkpoint's `model`/`moe` config sections (Megatron-Core GPTModel with megamoe MoE layers),
+loaded through `megamoe.train.checkpoint.load_model_weights`, at world size 1 on CPU. So a
+passing check also proves that `python -m megamoe.train ... checkpoint.init_from=CKPT` starts
+from these weights. The Hugging Face side is `AutoModelForCausalLM.from_pretrained` with eager
+attention: the architecture's own reference code.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SEQUENCES, SEQ_LEN = 4, 32
+
+
+def sample_tokens(vocab_size: int, seq_len: int = SEQ_LEN) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (SEQUENCES, seq_len), generator=generator)
+
+
+def load_hf_model(directory: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+
+
+def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+def megamoe_logits(checkpoint_dir: Path, sections: dict, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits [B, S, V] of the megamoe model that `sections` builds, with the weights of the
+    torch_dist checkpoint at `checkpoint_dir`."""
+    from megatron.core import parallel_state
+
+    from megamoe.megatron.models import causal_attention_mask
+    from megamoe.megatron.runtime import setup_megatron, teardown_megatron
+    from megamoe.train.checkpoint import load_model_weights
+    from megamoe.train.config import config_from_dict
+    from megamoe.train.model import build_model, transformer_config
+
+    model_section = {**sections["model"], "seq_length": max(tokens.shape[1],
+                                                             sections["model"].get("seq_length", 1))}
+    config = config_from_dict({"model": model_section, "moe": sections["moe"]})
+    own_state = not parallel_state.model_parallel_is_initialized()
+    if own_state:
+        setup_megatron()
+    try:
+        model = build_model(config, transformer_config(config, on_cuda=False, bf16=False),
+                            vocab_size=sections["vocab_size"])
+        load_model_weights(checkpoint_dir, model, config)
+        model.eval()
+        seq = tokens.shape[1]
+        with torch.no_grad():
+            return model(tokens, torch.arange(seq).expand_as(tokens),
+                         causal_attention_mask(seq)).float()
+    finally:
+        if own_state:
+            teardown_megatron()
+
+
+def hf_vs_megamoe(hf_dir: Path, checkpoint_dir: Path, sections: dict) -> float:
+    """max |HF logits - megamoe logits| over SEQUENCES random sequences of SEQ_LEN tokens."""
+    hf = load_hf_model(hf_dir)
+    tokens = sample_tokens(hf.config.vocab_size)
+    reference = hf_logits(hf, tokens)
+    del hf
+    ours = megamoe_logits(checkpoint_dir, {**sections, "vocab_size": reference.shape[-1]}, tokens)
+    return float((reference - ours[..., :reference.shape[-1]]).abs().max())

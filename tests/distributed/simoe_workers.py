@@ -1,0 +1,62 @@
+"""Per-rank job of the SIMoE tensor-parallel test (run through `ep_harness.spawn`).
+
+Every rank builds the same SIMoE GPT (the CPU initialisation draws full tensors from the shared
+seed, then each rank keeps its slice), trains it for a few steps in training mode (sampled
+hard-concrete noise, the mask regulariser, the Lagrangian's dual step) and returns the losses and
+its trainable parameters gathered to their full, unsplit shape.
+"""
+from __future__ import annotations
+
+import torch
+
+VOCAB, SEQ, BATCH, STEPS = 64, 8, 4, 3
+
+
+def gathered(param: torch.Tensor, group) -> torch.Tensor:
+    """The whole parameter: tensor-parallel slices concatenated along their partition dim."""
+    if not getattr(param, "tensor_model_parallel", False) or group.size() == 1:
+        return param.detach().clone()
+    parts = [torch.empty_like(param) for _ in range(group.size())]
+    torch.distributed.all_gather(parts, param.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def simoe_tp_job(rank: int, world_size: int) -> dict:
+    from megatron.core import parallel_state
+
+    from megamoe.megatron.models import causal_attention_mask, tiny_transformer_config
+    from megamoe.megatron.runtime import setup_megatron
+    from megamoe.simoe.config import SIMoEConfig
+    from megamoe.simoe.model import SIMoEGPTModel
+    from megamoe.simoe.penalties import MaskRegularizer
+
+    setup_megatron(tensor_model_parallel_size=world_size, seed=5)
+    config = tiny_transformer_config(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                     ffn_hidden_size=64, normalization="RMSNorm",
+                                     tensor_model_parallel_size=world_size)
+    simoe = SIMoEConfig(num_experts=4, lagrangian_lr=1.0, orthogonality_coefficient=1.0)
+    model = SIMoEGPTModel(config, simoe, vocab_size=VOCAB, max_sequence_length=SEQ,
+                          share_embeddings_and_output_weights=False)
+    regularizer = MaskRegularizer(model, simoe)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(trainable, lr=3e-2)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+        prompt_mask = torch.rand(BATCH, SEQ, generator=gen) < 0.5
+        positions = torch.arange(SEQ).expand(BATCH, -1)
+        lm = model(tokens[:, :-1], positions, causal_attention_mask(SEQ),
+                   labels=tokens[:, 1:], prompt_mask=prompt_mask).mean()
+        penalty, density = regularizer()
+        loss = lm + penalty
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        regularizer.lagrangian.step(density)
+        losses.append(torch.stack([lm.detach(), penalty.detach()]))
+    group = parallel_state.get_tensor_model_parallel_group()
+    return {"losses": torch.stack(losses), "density": density.detach(),
+            "multipliers": regularizer.lagrangian.multipliers.clone(),
+            "params": {name: gathered(p, group) for name, p in model.named_parameters()
+                       if p.requires_grad}}

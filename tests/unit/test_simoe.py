@@ -7,6 +7,7 @@ from megamoe.megatron.models import build_gpt, causal_attention_mask, tiny_trans
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 from megamoe.megatron.specs import get_gpt_layer_local_spec
 from megamoe.simoe.config import SIMoEConfig
+from megamoe.simoe.inference import inference_parameters, merged_dense_state_dict
 from megamoe.simoe.interpolated import GatedColumns
 from megamoe.simoe.model import SIMoEGPTModel
 from megamoe.simoe.penalties import (SparsityLagrangian, expected_density, interpolated_modules,
@@ -128,3 +129,24 @@ def test_lagrangian_drives_expected_sparsity_to_the_target():
         lagrangian.step(expected_density([toy], total))
     final = expected_density([toy], total).detach()
     assert (final - 0.25).abs().max() < 0.02, final  # it starts at 0.82
+
+
+def test_merged_dense_model_serves_each_sequence_as_simoe_does(megatron):
+    dense, model = dense_and_simoe(SIMoEConfig(num_experts=4))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("delta_weight", "mask_log_alpha")) or "router" in name:
+                param.normal_(0.0, 0.3)
+    model.eval()
+    dense.eval()
+    tokens, _, prompt_mask = batch(5)
+    with torch.no_grad():
+        coefficients = model.route(tokens, prompt_mask)
+        expected = logits(model, tokens, coefficients=coefficients)
+        for b in range(BATCH):
+            dense.load_state_dict(merged_dense_state_dict(model, coefficients[b]))
+            got = logits(dense, tokens[b:b + 1])
+            assert (got - expected[b:b + 1]).abs().max() < 1e-5
+    counts = inference_parameters(model)
+    assert counts["active"] == sum(p.numel() for p in dense.parameters())
+    assert counts["stored"] > counts["active"]

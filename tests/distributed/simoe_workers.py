@@ -21,8 +21,24 @@ def gathered(param: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=param.partition_dim)
 
 
-def simoe_tp_job(rank: int, world_size: int) -> dict:
-    from megatron.core import parallel_state
+def eval_losses(model, seed: int = 7) -> torch.Tensor:
+    """Per-token losses [B, S] on a fixed batch, in inference mode (deterministic masks)."""
+    from megamoe.megatron.models import causal_attention_mask
+
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    prompt_mask = torch.arange(SEQ).expand(BATCH, -1) < SEQ // 2
+    model.eval()
+    with torch.no_grad():
+        return model(tokens[:, :-1], torch.arange(SEQ).expand(BATCH, -1),
+                     causal_attention_mask(SEQ), labels=tokens[:, 1:], prompt_mask=prompt_mask)
+
+
+def simoe_tp_job(rank: int, world_size: int, ckpt_dir: str) -> dict:
+    """Train; at TP=2 save a torch_dist checkpoint, at TP=1 also load it into a fresh model."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from megamoe.checkpointing.safe_dcp import load_dist_checkpoint
 
     from megamoe.megatron.models import causal_attention_mask, tiny_transformer_config
     from megamoe.megatron.runtime import setup_megatron
@@ -35,8 +51,11 @@ def simoe_tp_job(rank: int, world_size: int) -> dict:
                                      ffn_hidden_size=64, normalization="RMSNorm",
                                      tensor_model_parallel_size=world_size)
     simoe = SIMoEConfig(num_experts=4, lagrangian_lr=1.0, orthogonality_coefficient=1.0)
-    model = SIMoEGPTModel(config, simoe, vocab_size=VOCAB, max_sequence_length=SEQ,
-                          share_embeddings_and_output_weights=False)
+    def build():
+        return SIMoEGPTModel(config, simoe, vocab_size=VOCAB, max_sequence_length=SEQ,
+                             share_embeddings_and_output_weights=False)
+
+    model = build()
     regularizer = MaskRegularizer(model, simoe)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(trainable, lr=3e-2)
@@ -56,7 +75,14 @@ def simoe_tp_job(rank: int, world_size: int) -> dict:
         regularizer.lagrangian.step(density)
         losses.append(torch.stack([lm.detach(), penalty.detach()]))
     group = parallel_state.get_tensor_model_parallel_group()
-    return {"losses": torch.stack(losses), "density": density.detach(),
+    result = {"eval": eval_losses(model)}
+    if world_size == 2:
+        dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
+    else:
+        fresh = build()
+        fresh.load_state_dict(load_dist_checkpoint(fresh.sharded_state_dict(), ckpt_dir))
+        result["loaded_eval"] = eval_losses(fresh)
+    return {**result, "losses": torch.stack(losses), "density": density.detach(),
             "multipliers": regularizer.lagrangian.multipliers.clone(),
             "params": {name: gathered(p, group) for name, p in model.named_parameters()
                        if p.requires_grad}}

@@ -12,17 +12,16 @@ need the layernorm-style gradient all-reduce Megatron gives only to norm weights
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megamoe.errors import ConfigError
+from megamoe.megatron.linear_specs import local_block_spec_with
 from megamoe.simoe.config import SIMoEConfig
 from megamoe.simoe.interpolated import (
     InterpolatedColumnParallelLinear,
@@ -34,28 +33,15 @@ from megamoe.simoe.merge import MergeState, PromptRouter
 TRAINABLE_SUFFIXES = ("delta_weight", "mask_log_alpha")
 
 
-def _replace(spec: ModuleSpec, **submodules) -> ModuleSpec:
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **submodules))
-
-
 def simoe_block_spec(config: TransformerConfig, merge: MergeState, simoe: SIMoEConfig
                      ) -> TransformerBlockSubmodules:
     """Megatron's local GPT layer spec, every linear and norm interpolated, for all layers."""
     params = {"merge": merge, "simoe": simoe}
-    column = ModuleSpec(module=InterpolatedColumnParallelLinear, params=params)
-    row = ModuleSpec(module=InterpolatedRowParallelLinear, params=params)
-    norm = ModuleSpec(module=InterpolatedNorm, params=params)
-    dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
-                                     normalization=config.normalization)
-    layer = dense.submodules
-    spec = _replace(
-        dense,
-        input_layernorm=norm,
-        pre_mlp_layernorm=norm,
-        self_attention=_replace(layer.self_attention, linear_qkv=column, linear_proj=row),
-        mlp=_replace(layer.mlp, linear_fc1=column, linear_fc2=row),
-    )
-    return TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=norm)
+    return local_block_spec_with(
+        config,
+        column=ModuleSpec(module=InterpolatedColumnParallelLinear, params=params),
+        row=ModuleSpec(module=InterpolatedRowParallelLinear, params=params),
+        norm=ModuleSpec(module=InterpolatedNorm, params=params))
 
 
 class SIMoEGPTModel(GPTModel):
@@ -67,7 +53,8 @@ class SIMoEGPTModel(GPTModel):
             raise ConfigError("SIMoE does not support sequence_parallel=True: set it to false "
                               "(tensor parallelism without it is supported)")
         merge = MergeState()
-        super().__init__(config=config, transformer_layer_spec=simoe_block_spec(config, merge, simoe),
+        super().__init__(config=config,
+                         transformer_layer_spec=simoe_block_spec(config, merge, simoe),
                          vocab_size=vocab_size, max_sequence_length=max_sequence_length,
                          **gpt_kwargs)
         self.merge = merge

@@ -1,11 +1,13 @@
-"""Per-rank job of the SIMoE tensor-parallel test (run through `ep_harness.spawn`).
+"""Per-rank job of the SIMoE / LoRA tensor-parallel test (run through `ep_harness.spawn`).
 
-Every rank builds the same SIMoE GPT (the CPU initialisation draws full tensors from the shared
-seed, then each rank keeps its slice), trains it for a few steps in training mode (sampled
+Every rank builds the same model (the CPU initialisation draws full tensors from the shared seed,
+then each rank keeps its slice), trains it for a few steps in training mode (for SIMoE: sampled
 hard-concrete noise, the mask regulariser, the Lagrangian's dual step) and returns the losses and
 its trainable parameters gathered to their full, unsplit shape.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -21,26 +23,55 @@ def gathered(param: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=param.partition_dim)
 
 
-def eval_losses(model, seed: int = 7) -> torch.Tensor:
-    """Per-token losses [B, S] on a fixed batch, in inference mode (deterministic masks)."""
+def trainable_params(model, group) -> dict:
+    return {name: gathered(p, group) for name, p in model.named_parameters() if p.requires_grad}
+
+
+def lm_losses(model, tokens, prompt_mask) -> torch.Tensor:
+    """Per-token losses [B, S]; `prompt_mask` None for a model without a router."""
     from megamoe.megatron.models import causal_attention_mask
 
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
-    prompt_mask = torch.arange(SEQ).expand(BATCH, -1) < SEQ // 2
+    extra = {} if prompt_mask is None else {"prompt_mask": prompt_mask}
+    return model(tokens[:, :-1], torch.arange(SEQ).expand(BATCH, -1), causal_attention_mask(SEQ),
+                 labels=tokens[:, 1:], **extra)
+
+
+def train(model, routed: bool, regularize: Callable[[], torch.Tensor] = lambda: torch.zeros(()),
+          after_step: Callable[[], None] = lambda: None) -> torch.Tensor:
+    """STEPS Adam steps on the LM loss + `regularize()`, each followed by `after_step()`;
+    returns [STEPS, 2] (lm loss, regulariser)."""
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+        prompt_mask = torch.rand(BATCH, SEQ, generator=gen) < 0.5
+        lm = lm_losses(model, tokens, prompt_mask if routed else None).mean()
+        penalty = regularize()
+        optimizer.zero_grad()
+        (lm + penalty).backward()
+        optimizer.step()
+        after_step()
+        losses.append(torch.stack([lm.detach(), torch.as_tensor(penalty).detach()]))
+    return torch.stack(losses)
+
+
+def eval_losses(model) -> torch.Tensor:
+    """Per-token losses [B, S] on a fixed batch, in inference mode (deterministic masks)."""
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(7))
     model.eval()
     with torch.no_grad():
-        return model(tokens[:, :-1], torch.arange(SEQ).expand(BATCH, -1),
-                     causal_attention_mask(SEQ), labels=tokens[:, 1:], prompt_mask=prompt_mask)
+        return lm_losses(model, tokens, torch.arange(SEQ).expand(BATCH, -1) < SEQ // 2)
 
 
 def simoe_tp_job(rank: int, world_size: int, ckpt_dir: str) -> dict:
-    """Train; at TP=2 save a torch_dist checkpoint, at TP=1 also load it into a fresh model."""
+    """Train SIMoE and LoRA; at TP=2 save SIMoE's torch_dist checkpoint, at TP=1 also load it
+    into a fresh model."""
     from megatron.core import dist_checkpointing, parallel_state
 
     from megamoe.checkpointing.safe_dcp import load_dist_checkpoint
-
-    from megamoe.megatron.models import causal_attention_mask, tiny_transformer_config
+    from megamoe.instruct.lora import lora_gpt
+    from megamoe.megatron.models import tiny_transformer_config
     from megamoe.megatron.runtime import setup_megatron
     from megamoe.simoe.config import SIMoEConfig
     from megamoe.simoe.model import SIMoEGPTModel
@@ -51,38 +82,32 @@ def simoe_tp_job(rank: int, world_size: int, ckpt_dir: str) -> dict:
                                      ffn_hidden_size=64, normalization="RMSNorm",
                                      tensor_model_parallel_size=world_size)
     simoe = SIMoEConfig(num_experts=4, lagrangian_lr=1.0, orthogonality_coefficient=1.0)
+
     def build():
         return SIMoEGPTModel(config, simoe, vocab_size=VOCAB, max_sequence_length=SEQ,
                              share_embeddings_and_output_weights=False)
 
     model = build()
     regularizer = MaskRegularizer(model, simoe)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(trainable, lr=3e-2)
-    gen = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(STEPS):
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
-        prompt_mask = torch.rand(BATCH, SEQ, generator=gen) < 0.5
-        positions = torch.arange(SEQ).expand(BATCH, -1)
-        lm = model(tokens[:, :-1], positions, causal_attention_mask(SEQ),
-                   labels=tokens[:, 1:], prompt_mask=prompt_mask).mean()
-        penalty, density = regularizer()
-        loss = lm + penalty
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        regularizer.lagrangian.step(density)
-        losses.append(torch.stack([lm.detach(), penalty.detach()]))
+
+    def dual_step():  # once per optimizer step, as in training
+        regularizer.lagrangian.step(regularizer()[1])
+
+    losses = train(model, routed=True, regularize=lambda: regularizer()[0], after_step=dual_step)
     group = parallel_state.get_tensor_model_parallel_group()
-    result = {"eval": eval_losses(model)}
+    result = {"eval": eval_losses(model), "losses": losses,
+              "density": regularizer()[1].detach(),
+              "multipliers": regularizer.lagrangian.multipliers.clone(),
+              "params": trainable_params(model, group)}
     if world_size == 2:
         dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
     else:
         fresh = build()
         fresh.load_state_dict(load_dist_checkpoint(fresh.sharded_state_dict(), ckpt_dir))
         result["loaded_eval"] = eval_losses(fresh)
-    return {**result, "losses": torch.stack(losses), "density": density.detach(),
-            "multipliers": regularizer.lagrangian.multipliers.clone(),
-            "params": {name: gathered(p, group) for name, p in model.named_parameters()
-                       if p.requires_grad}}
+    torch.manual_seed(11)  # the TP=1 run drew more numbers above (the fresh model)
+    lora = lora_gpt(config, rank=2, alpha=4.0, vocab_size=VOCAB, max_sequence_length=SEQ,
+                    share_embeddings_and_output_weights=False)
+    result["lora_losses"] = train(lora, routed=False)
+    result["lora_params"] = trainable_params(lora, group)
+    return result

@@ -6,6 +6,7 @@ import torch
 from megamoe.megatron.models import build_gpt, causal_attention_mask, tiny_transformer_config
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 from megamoe.megatron.specs import get_gpt_layer_local_spec
+from megamoe.instruct.lora import lora_gpt, rank_matching
 from megamoe.simoe.config import SIMoEConfig
 from megamoe.simoe.inference import inference_parameters, merged_dense_state_dict
 from megamoe.simoe.interpolated import GatedColumns
@@ -150,3 +151,29 @@ def test_merged_dense_model_serves_each_sequence_as_simoe_does(megatron):
     counts = inference_parameters(model)
     assert counts["active"] == sum(p.numel() for p in dense.parameters())
     assert counts["stored"] > counts["active"]
+
+
+def test_lora_is_the_dense_model_plus_its_low_rank_update(megatron):
+    cfg = config()
+    dense = build_gpt(cfg, get_gpt_layer_local_spec(normalization=cfg.normalization),
+                      vocab_size=VOCAB, seq_len=SEQ)
+    lora = lora_gpt(cfg, rank=3, alpha=6.0, vocab_size=VOCAB, max_sequence_length=SEQ,
+                    share_embeddings_and_output_weights=False)
+    missing, unexpected = lora.load_state_dict(dense.state_dict(), strict=False)
+    assert unexpected == [] and all(k.endswith(("lora_a", "lora_b")) for k in missing)
+    tokens, _, _ = batch(1)
+    with torch.no_grad():
+        assert (logits(lora, tokens) - logits(dense, tokens)).abs().max() < 1e-5
+        for name, param in lora.named_parameters():
+            if name.endswith("lora_b"):
+                param.normal_(0.0, 0.1)
+        merged = dense.state_dict()
+        for name, module in lora.named_modules():
+            if hasattr(module, "lora_a"):
+                merged[f"{name}.weight"] = module.weight + 2.0 * module.lora_b @ module.lora_a
+        dense.load_state_dict(merged)
+        assert (logits(lora, tokens) - logits(dense, tokens)).abs().max() < 1e-5
+    trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    assert trainable == 3 * sum(sum(m.lora_a.shape[1:]) + m.lora_b.shape[0]
+                                for m in lora.modules() if hasattr(m, "lora_a"))
+    assert rank_matching(dense, trainable) == 3

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -24,7 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import nn
 
 from megamoe.megatron.linear_specs import local_block_spec_with
-from megamoe.simoe.interpolated import replicated_randn
+from megamoe.simoe.interpolated import input_columns, replicated_randn
 
 TRAINABLE_SUFFIXES = ("lora_a", "lora_b")
 
@@ -34,13 +33,8 @@ class _LowRank:
 
     def _make_low_rank(self, rank: int, alpha: float) -> None:
         self.weight.requires_grad_(False)
-        rows, local_columns = self.weight.shape
-        tp_size, tp_rank = self.tp_group.size(), self.tp_group.rank()
-        if self._split_columns:
-            columns = local_columns * tp_size
-            shard = slice(tp_rank * local_columns, (tp_rank + 1) * local_columns)
-        else:
-            columns, shard = local_columns, slice(None)
+        rows = self.weight.shape[0]
+        columns, shard = input_columns(self.weight, self.tp_group, self._split_columns)
         self.lora_a = nn.Parameter(replicated_randn((rank, columns), 1.0 / math.sqrt(columns),
                                                     shard, self.weight))
         self.lora_b = nn.Parameter(self.weight.new_zeros(rows, rank))

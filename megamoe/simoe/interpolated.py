@@ -37,6 +37,15 @@ from megamoe.simoe.hard_concrete import deterministic_gates, sample_gates
 from megamoe.simoe.merge import MergeState
 
 
+def input_columns(weight: torch.Tensor, tp_group, split: bool) -> tuple[int, slice]:
+    """(input columns of the whole weight, this rank's slice of them) for a parallel linear's
+    local weight [O, I]: row-parallel layers (`split`) hold one contiguous slice per TP rank."""
+    local = weight.shape[1]
+    if not split:
+        return local, slice(None)
+    return local * tp_group.size(), slice(tp_group.rank() * local, (tp_group.rank() + 1) * local)
+
+
 def replicated_randn(shape: tuple[int, int], std: float, shard: slice, like: torch.Tensor
                      ) -> torch.Tensor:
     """N(0, std) drawn at the full shape from the default generator, then sliced along dim 1, so
@@ -86,14 +95,9 @@ class _InterpolatedLinear:
         self.weight.requires_grad_(False)
         self.delta_weight = nn.Parameter(torch.zeros_like(self.weight))
         copy_tensor_model_parallel_attributes(self.delta_weight, self.weight)
-        rows, local_columns = self.weight.shape
-        tp_size, tp_rank = self.tp_group.size(), self.tp_group.rank()
-        if self._split_columns:
-            columns = local_columns * tp_size
-            shard = slice(tp_rank * local_columns, (tp_rank + 1) * local_columns)
-        else:
-            columns, shard = local_columns, slice(None)
-        replicas = 1 if self._split_columns else tp_size
+        rows = self.weight.shape[0]
+        columns, shard = input_columns(self.weight, self.tp_group, self._split_columns)
+        replicas = 1 if self._split_columns else self.tp_group.size()
         self.gated = GatedColumns(self, simoe, columns, shard, rows * replicas, self.weight)
         if self._split_columns:
             set_tensor_model_parallel_attributes(self.mask_log_alpha, True, 1, 1)

@@ -12,17 +12,25 @@ What is not overridden, and how to avoid it instead:
 - `use_cpu_initialization=False` allocates weights on the current CUDA device, and
   `add_bias_linear=True` trips an in-place-on-view autograd error in the MLP on CPU: set
   `use_cpu_initialization=True, add_bias_linear=False` (`models.tiny_transformer_config` does).
-- Megatron's DDP and `get_megatron_optimizer` assume CUDA tensors: use torch's on CPU.
+
+Megatron-Core's training components (DistributedDataParallel and its gradient buffers, the
+distributed optimizer, gradient clipping, the pipeline schedules and their point-to-point
+communication) allocate with `device="cuda"`, call `.cuda()` and check `tensor.type()` against
+CUDA type names. Those entry points run inside `cuda_as_cpu()`, which puts every such
+allocation on the CPU and lets the type checks accept the CPU types; set
+`batch_p2p_comm=False` on CPU (gloo's point-to-point ops go one by one, no CUDA synchronise).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import logging
 from typing import Callable, Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 _APPLIED: list[str] = []
 
@@ -49,18 +57,54 @@ def _current_device_is_cpu() -> Iterator[None]:
         torch.cuda.current_device = original
 
 
-def _allocate_on_cpu(owner: object, name: str) -> None:
-    """Wrap `owner.name` so what it allocates on `torch.cuda.current_device()` lands on the CPU."""
+def _allocate_on_cpu(owner: object, name: str, context=_current_device_is_cpu) -> None:
+    """Wrap `owner.name` so what it allocates on `torch.cuda.current_device()` lands on the CPU
+    (or, with `context=cuda_as_cpu`, everything it puts on CUDA)."""
     raw = inspect.getattr_static(owner, name)
     is_static = isinstance(raw, staticmethod)
     function = raw.__func__ if is_static else raw
 
     @functools.wraps(function)
     def on_cpu(*args, **kwargs):
-        with _current_device_is_cpu():
+        with context():
             return function(*args, **kwargs)
 
     setattr(owner, name, staticmethod(on_cpu) if is_static else on_cpu)
+
+
+_CUDA_TYPE_NAMES = {f"torch.{kind}Tensor": f"torch.cuda.{kind}Tensor"
+                    for kind in ("Float", "Half", "BFloat16", "Int", "Long")}
+
+
+def _is_cuda_device(device) -> bool:
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda"
+
+
+class _CudaAsCpuMode(TorchFunctionMode):
+    """Torch calls that would allocate on CUDA allocate on the CPU: a `device` argument naming
+    CUDA becomes the CPU, `Tensor.cuda()` is the identity, and `Tensor.type()` reports CPU
+    tensors under their CUDA type names (Megatron's optimizer checks them)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_as_cpu() -> Iterator[None]:
+    """Run Megatron-Core code written for CUDA on the CPU (see `_CudaAsCpuMode`), with
+    `torch.cuda.current_device()` naming the CPU. Only the overridden entry points use it."""
+    with _current_device_is_cpu(), _CudaAsCpuMode():
+        yield
 
 
 def _patch_rng_tracker() -> None:
@@ -192,6 +236,38 @@ def _patch_missing_te_general_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _patch_sequence_parallel_norm() -> None:
+    """Torch norms under sequence parallelism (0.16.1, 0.19.2: `transformer/torch_norm.py`).
+
+    Without apex or Transformer Engine the local spec's norm is `WrappedTorchNorm`, which
+    asserts `not config.sequence_parallel`. A norm is elementwise over the hidden axis, so it
+    works on each tensor-parallel rank's share of the sequence as it is; what sequence
+    parallelism needs is what Megatron's fused norms do: mark the weights
+    `sequence_parallel=True`, so `finalize_model_grads` sums their gradients over the
+    tensor-parallel group.
+    """
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    new = WrappedTorchNorm.__new__
+
+    def new_with_sequence_parallel(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return new(cls, config, *args, **kwargs)
+        norm = new(cls, _without_sequence_parallel(config), *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    WrappedTorchNorm.__new__ = staticmethod(new_with_sequence_parallel)
+
+
+def _without_sequence_parallel(config):
+    """A shallow copy of `config` with `sequence_parallel=False` (no re-validation)."""
+    plain = copy.copy(config)
+    plain.sequence_parallel = False
+    return plain
+
+
 _OVERRIDES: dict[str, Callable[[], None]] = {
     "rng_tracker": _patch_rng_tracker,
     "memory_buffer_device": _patch_memory_buffer_device,
@@ -200,6 +276,7 @@ _OVERRIDES: dict[str, Callable[[], None]] = {
     "collectives_device": _patch_collectives_device,
     "checkpoint_save": _patch_checkpoint_save,
     "te_general_gemm": _patch_missing_te_general_gemm,
+    "sequence_parallel_norm": _patch_sequence_parallel_norm,
 }
 
 

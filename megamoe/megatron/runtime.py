@@ -52,6 +52,7 @@ def _check_sizes(world_size: int, tp: int, pp: int, cp: int, ep: int, etp: int) 
 def setup_megatron(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: int = 1,
     context_parallel_size: int = 1,
@@ -90,6 +91,9 @@ def setup_megatron(
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=(virtual_pipeline_model_parallel_size
+                                              if virtual_pipeline_model_parallel_size > 1
+                                              else None),
         context_parallel_size=context_parallel_size,
         expert_model_parallel_size=expert_model_parallel_size,
         expert_tensor_parallel_size=expert_tensor_parallel_size,

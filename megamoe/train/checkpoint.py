@@ -92,6 +92,7 @@ def _layout() -> dict:
     return {"world_size": dist.get_world_size(),
             "tensor": parallel_state.get_tensor_model_parallel_world_size(),
             "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
+            "virtual": parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
             "expert": parallel_state.get_expert_model_parallel_world_size()}
 
 
@@ -115,8 +116,31 @@ def _rng_object(data: Any) -> ShardedObject:
                          replica_id=0)
 
 
-def _model_sharded(model: torch.nn.Module, config: TrainConfig) -> dict:
-    return model.sharded_state_dict(metadata=sharded_state_metadata(config))
+def _chunks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model chunks (one per virtual pipeline stage) of the loop's model."""
+    return list(model) if isinstance(model, torch.nn.ModuleList) else [model]
+
+
+def _model_entries(model: torch.nn.Module, config: TrainConfig) -> dict:
+    """The model's sharded state dicts under Megatron-LM's state-dict entries: `model`, or
+    `model0`, `model1`, ... with virtual pipeline stages. The entries' tensors are keyed by
+    global layer and expert, so any layout loads them whatever the entry names."""
+    chunks = _chunks(model)
+    metadata = sharded_state_metadata(config)
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict(metadata=metadata)}
+    return {f"model{i}": chunk.sharded_state_dict(metadata=metadata)
+            for i, chunk in enumerate(chunks)}
+
+
+def _load_model_entries(model: torch.nn.Module, loaded: dict, strict: bool = True) -> list[str]:
+    """Load `_model_entries`' loaded counterpart into the chunks; returns the missing keys."""
+    chunks = _chunks(model)
+    names = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    missing = []
+    for name, chunk in zip(names, chunks):
+        missing += chunk.load_state_dict(loaded[name], strict=strict).missing_keys
+    return missing
 
 
 # ---- verification ---------------------------------------------------------------------------
@@ -206,9 +230,9 @@ def save_checkpoint(ckpt_dir: str | Path, state: TrainState, model: torch.nn.Mod
     dist.barrier()
     layout = _layout()
     schedule = LRSchedule.from_config(config.optimizer, config.training.train_steps)
-    model_sharded = _model_sharded(model, config)
+    model_sharded = _model_entries(model, config)
     sharded = {
-        "model": model_sharded,
+        **model_sharded,
         "optimizer": engine.optimizer_sharded_state_dict(model_sharded, is_loading=False),
         "rng_state": _rng_object(_rng_state()),
         **megatron_lm_common(config, state, model, layout, schedule),
@@ -319,13 +343,13 @@ def load_checkpoint(path: Path, model: torch.nn.Module, engine, config: TrainCon
               "fresh optimizer and RNG state")
         return state
     same_layout = saved_layout == _layout()
-    model_sharded = _model_sharded(model, config)
-    request = {"model": model_sharded,
+    model_sharded = _model_entries(model, config)
+    request = {**model_sharded,
                "optimizer": engine.optimizer_sharded_state_dict(model_sharded, is_loading=True)}
     if same_layout:
         request["rng_state"] = _rng_object(None)
     loaded = _load(request, path)
-    model.load_state_dict(loaded["model"])
+    _load_model_entries(model, loaded)
     engine.load_optimizer_state_dict(loaded["optimizer"])
     if same_layout:
         _set_rng_state(loaded["rng_state"])
@@ -360,7 +384,7 @@ def resolve_weights_dir(path: str | Path) -> Path:
 
 
 def _load_weights(folder: Path, model: torch.nn.Module, config: TrainConfig) -> None:
-    loaded, _, absent = _load({"model": _model_sharded(model, config)}, folder,
+    loaded, _, absent = _load(_model_entries(model, config), folder,
                               strict=StrictHandling.RETURN_ALL)
     required = sorted(k for k in absent if not k.endswith(_OPTIONAL_KEY_ENDINGS))
     if required:
@@ -368,7 +392,7 @@ def _load_weights(folder: Path, model: torch.nn.Module, config: TrainConfig) -> 
             f"{folder} lacks {len(required)} model tensors, e.g. {required[:3]}; make the "
             "config's model and moe sections match the checkpoint"
         )
-    missing, _ = model.load_state_dict(loaded["model"], strict=False)
+    missing = _load_model_entries(model, loaded, strict=False)
     required = [k for k in missing if not k.endswith(_OPTIONAL_KEY_ENDINGS)]
     if required:
         raise CheckpointError(f"{folder} did not provide {required[:3]}; make the config's model "

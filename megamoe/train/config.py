@@ -11,7 +11,7 @@ building the MoEConfig.
     output_dir: runs/tiny
     model:      {num_layers, hidden_size, num_attention_heads, ffn_hidden_size, seq_length, ...}
     moe:        {num_experts, ffn_hidden_size, topk, balancing, ..., layer_overrides}
-    parallel:   {tensor, pipeline, expert}
+    parallel:   {tensor, pipeline, virtual_stages, expert, first/last_stage_layers}
     data:       {prefixes, weights, tokenizer_model, cache_dir, split, ...}
     training:   {train_steps, micro_batch_size, global_batch_size, seed, precision, ...}
     optimizer:  {lr, min_lr, warmup_steps, decay_style, weight_decay, ...}
@@ -37,6 +37,10 @@ NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
+RECOMPUTE = ("none", "full", "selective")
+# Megatron-Core's selective recompute modules that apply to megamoe's GPT (no MLA, no
+# Megatron MoE layers: `mlp` recomputes megamoe's).
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
 DECAY_STYLES = ("cosine", "linear", "constant")
 SPIKE_ACTIONS = ("stop", "rollback")
 
@@ -88,9 +92,14 @@ class ParallelConfig:
     """Megatron-Core parallel sizes; data parallelism takes the remaining ranks."""
 
     tensor: int = 1
-    """Tensor-parallel size (sequence parallelism is switched on when > 1)."""
+    """Tensor-parallel size (sequence parallelism is switched on when > 1). Context parallelism
+    is not offered: Megatron-Core's local attention refuses it, only Transformer Engine's
+    attention implements it."""
     pipeline: int = 1
-    """Pipeline-parallel size (GPU only)."""
+    """Pipeline-parallel size."""
+    virtual_stages: int = 1
+    """Virtual pipeline stages per pipeline rank (interleaved 1F1B when > 1; `num_layers` must
+    split evenly over pipeline x virtual_stages chunks)."""
     expert: int = 1
     """Expert-parallel size: the experts of each MoE layer are split over this many ranks."""
     first_stage_layers: Optional[int] = None
@@ -142,6 +151,12 @@ class TrainingConfig:
     """`auto` (CUDA when available), `cpu` or `cuda`."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
+    recompute: str = "none"
+    """Activation recomputation: `none`, `full` (every transformer layer) or `selective` (the
+    `recompute_modules` of each layer)."""
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn", "mlp"])
+    """With `recompute: selective`, Megatron-Core's recompute modules; `mlp` recomputes the
+    dense MLPs and the megamoe MoE layers."""
     exit_interval: int = 0
     """Save and exit 0 whenever the step count is a multiple of this (0: never), so a long run
     proceeds in chunks (a rerun of the same command resumes); as Megatron-LM's --exit-interval."""
@@ -503,6 +518,7 @@ def validate(config: TrainConfig) -> None:
                        ("parallel.tensor", config.parallel.tensor),
                        ("parallel.pipeline", config.parallel.pipeline),
                        ("parallel.expert", config.parallel.expert),
+                       ("parallel.virtual_stages", config.parallel.virtual_stages),
                        ("logging.interval", config.logging.interval)]:
         _require(value >= 1, f"{key}={value} must be >= 1")
     _require(m.hidden_size % m.num_attention_heads == 0,
@@ -512,6 +528,13 @@ def validate(config: TrainConfig) -> None:
     _choice("model.position_embedding", m.position_embedding, POSITION_EMBEDDINGS)
     _choice("training.precision", t.precision, PRECISIONS)
     _choice("training.device", t.device, DEVICES)
+    _choice("training.recompute", t.recompute, RECOMPUTE)
+    bad_modules = sorted(set(t.recompute_modules) - set(RECOMPUTE_MODULES))
+    _require(not bad_modules, f"training.recompute_modules has {bad_modules}; choose from "
+             f"{list(RECOMPUTE_MODULES)}")
+    _require(config.parallel.virtual_stages == 1 or config.parallel.pipeline > 1,
+             f"parallel.virtual_stages={config.parallel.virtual_stages} needs "
+             "parallel.pipeline > 1")
     _choice("optimizer.decay_style", o.decay_style, DECAY_STYLES)
     _check_ranges(config)
     _require(t.global_batch_size % t.micro_batch_size == 0,

@@ -3,8 +3,8 @@
 One optimizer step:
 1. learning rate from the schedule (a function of the step);
 2. forward and backward of all micro-batches, gradients reduced over data-parallel replicas
-   (`CpuEngine` on CPU, Megatron-Core's DDP and schedules in `GpuEngine` on GPU), and the
-   global gradient norm;
+   (Megatron-Core's DDP, distributed optimizer and pipeline schedules in `Engine`, on CPU and
+   GPU alike), and the global gradient norm;
 3. one all-reduce that sums the loss over ranks and tells every rank whether any was signalled
    and whether any saw a non-finite loss or gradient norm;
 4. the divergence guards (megamoe.train.guards), on the reduced values so every rank decides
@@ -37,6 +37,7 @@ from megamoe.parallel.comm import TorchComm
 from megamoe.train.checkpoint import (load_checkpoint, load_model_weights, resume_checkpoint,
                                       save_checkpoint)
 from megamoe.train.config import TrainConfig, dump_config
+from megamoe.train.engine import Engine
 from megamoe.train.guards import (
     DivergenceError,
     LossSpikeGuard,
@@ -91,6 +92,7 @@ def run(config: TrainConfig) -> int:
     on_cuda, bf16 = resolve_device(config)
     p = config.parallel
     setup_megatron(tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline,
+                   virtual_pipeline_model_parallel_size=p.virtual_stages,
                    expert_model_parallel_size=p.expert, seed=config.training.seed,
                    timeout_s=config.training.collective_timeout_s)
     try:
@@ -138,13 +140,10 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
     prefixes, tokenizer_model = data_sources(config)
     tokenizer = SentencePieceTokenizer(tokenizer_model)
     tc = transformer_config(config, on_cuda, bf16)
-    model = build_model(config, tc, tokenizer.vocab_size)
-    if on_cuda:
-        from megamoe.train.gpu_engine import GpuEngine
-        engine = GpuEngine(model, tc, config, pgs)
-    else:
-        from megamoe.train.cpu_engine import CpuEngine
-        engine = CpuEngine(model, config, pgs)
+    chunks = build_model(config, tc, tokenizer.vocab_size)
+    engine = Engine(chunks, tc, config, on_cuda)
+    # One module for the loop's per-model helpers (balancing, guards, checkpoints).
+    model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
 
     state, origin = TrainState(), "a fresh initialisation"
     resume_from = resume_checkpoint(config)
@@ -164,7 +163,8 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
     logger.message(
         f"training {config.training.train_steps} steps on {world} rank(s) "
         f"({'CUDA, ' + ('bf16' if bf16 else 'fp32') if on_cuda else 'CPU, fp32'}; data "
-        f"{dp_size} x expert {p.expert} x tensor {p.tensor} x pipeline {p.pipeline}), "
+        f"{dp_size} x expert {p.expert} x tensor {p.tensor} x pipeline {p.pipeline}"
+        f"{f' x {p.virtual_stages} virtual' if p.virtual_stages > 1 else ''}), "
         f"{sum(t.numel() for t in model.parameters()):,} parameters on rank 0, starting from "
         f"{origin}; output in {config.output_dir}")
     def batches_from(start_sample: int) -> Iterator:

@@ -51,7 +51,8 @@ def megatron_lm_args(config: TrainConfig, state: TrainState, model: torch.nn.Mod
         spec=["megamoe.megatron.specs", "decoder_block_spec"], moe_layer_freq=m.moe_layer_freq,
         untie_embeddings_and_output_weights=not m.share_embeddings,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-        padded_vocab_size=getattr(model, "vocab_size", None),
+        padded_vocab_size=getattr(model[0] if isinstance(model, torch.nn.ModuleList) else model,
+                                  "vocab_size", None),
         num_experts=moe.num_experts, moe_router_topk=moe.topk,
         moe_router_score_function=moe.score_function,
         moe_router_topk_scaling_factor=moe.topk_scaling_factor,
@@ -59,6 +60,8 @@ def megatron_lm_args(config: TrainConfig, state: TrainState, model: torch.nn.Mod
         moe_ffn_hidden_size=moe.ffn_hidden_size,
         tensor_model_parallel_size=layout["tensor"],
         pipeline_model_parallel_size=layout["pipeline"],
+        virtual_pipeline_model_parallel_size=layout.get("virtual") if layout.get("virtual", 1) > 1
+        else None,
         expert_model_parallel_size=layout["expert"], world_size=layout["world_size"],
         data_parallel_size=dp, micro_batch_size=config.training.micro_batch_size,
         global_batch_size=config.training.global_batch_size,

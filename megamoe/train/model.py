@@ -56,9 +56,13 @@ def transformer_config(config: TrainConfig, on_cuda: bool, bf16: bool) -> Transf
         tensor_model_parallel_size=p.tensor,
         pipeline_model_parallel_size=p.pipeline,
         expert_model_parallel_size=p.expert,
+        virtual_pipeline_model_parallel_size=p.virtual_stages if p.virtual_stages > 1 else None,
         num_layers_in_first_pipeline_stage=p.first_stage_layers,
         num_layers_in_last_pipeline_stage=p.last_stage_layers,
         sequence_parallel=p.tensor > 1,
+        # gloo has no batched (coalesced) point-to-point; one op at a time works on both.
+        batch_p2p_comm=on_cuda,
+        **_recompute_settings(config),
         num_moe_experts=moe.num_experts,
         moe_ffn_hidden_size=moe.ffn_hidden_size,
         moe_router_topk=moe.topk,
@@ -69,6 +73,20 @@ def transformer_config(config: TrainConfig, on_cuda: bool, bf16: bool) -> Transf
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
     )
+
+
+def _recompute_settings(config: TrainConfig) -> dict:
+    """Megatron-Core's activation recomputation from `training.recompute`: `full` recomputes
+    every transformer layer (uniform, one layer per checkpoint), `selective` the
+    `training.recompute_modules` of each layer (`mlp` covers megamoe's MoE layers)."""
+    t = config.training
+    if t.recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform",
+                    recompute_num_layers=1)
+    if t.recompute == "selective":
+        return dict(recompute_granularity="selective",
+                    recompute_modules=list(t.recompute_modules))
+    return {}
 
 
 def _moe_layer_freq(config: TrainConfig) -> int | list[int]:
@@ -96,21 +114,30 @@ def _moe_settings(config: TrainConfig, layer: int | None = None) -> dict:
     return fields
 
 
-def build_model(config: TrainConfig, tc: TransformerConfig, vocab_size: int) -> GPTModel:
-    """This pipeline stage's GPTModel: dense and megamoe layers as `model.first_k_dense` and
-    `model.moe_layer_freq` say, per-layer MoE overrides from `moe.layer_overrides`."""
+def build_model(config: TrainConfig, tc: TransformerConfig, vocab_size: int
+                ) -> list[GPTModel]:
+    """This pipeline rank's GPTModel chunks, one per virtual stage (`parallel.virtual_stages`):
+    dense and megamoe layers as `model.first_k_dense` and `model.moe_layer_freq` say, per-layer
+    MoE overrides from `moe.layer_overrides`."""
     overrides = {layer: _moe_settings(config, layer) for layer in config.moe["layer_overrides"]}
-    spec = gpt_decoder_block_spec(tc, layer_overrides=overrides,
-                                  pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-                                  **_moe_settings(config))
-    return GPTModel(
-        config=tc,
-        transformer_layer_spec=spec,
-        vocab_size=padded_vocab_size(vocab_size, config),
-        max_sequence_length=config.model.seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=config.model.share_embeddings,
-        position_embedding_type=config.model.position_embedding,
-        rotary_base=config.model.rotary_base,
-    )
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    virtual = config.parallel.virtual_stages
+    chunks = []
+    for vp_stage in range(virtual) if virtual > 1 else [None]:
+        spec = gpt_decoder_block_spec(tc, layer_overrides=overrides, vp_stage=vp_stage,
+                                      pp_rank=pp_rank, **_moe_settings(config))
+        chunks.append(GPTModel(
+            config=tc,
+            transformer_layer_spec=spec,
+            vocab_size=padded_vocab_size(vocab_size, config),
+            max_sequence_length=config.model.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                                vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                               vp_stage=vp_stage),
+            share_embeddings_and_output_weights=config.model.share_embeddings,
+            position_embedding_type=config.model.position_embedding,
+            rotary_base=config.model.rotary_base,
+            vp_stage=vp_stage,
+        ))
+    return chunks

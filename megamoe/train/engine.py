@@ -1,0 +1,161 @@
+"""The training engine, on CPU and GPU alike: Megatron-Core's DistributedDataParallel (gradient
+buffers), distributed optimizer, pipeline schedules and `finalize_model_grads`.
+
+Each model chunk (one per virtual pipeline stage; bf16 through Megatron's Float16Module, or fp32)
+is wrapped in Megatron-Core's DistributedDataParallel: expert parameters
+(`param.allreduce == False`) reduce over the expert-data-parallel group, the rest over the
+data-parallel group, and the distributed optimizer (Adam with fp32 main weights, sharded over
+data-parallel ranks) updates them. Its step is taken in two halves (`grad_norm`, `step`) so the
+loop's divergence guards see the clipped global norm before any weight changes. Micro-batches run
+through `get_forward_backward_func()` (no pipelining, 1F1B, or interleaved 1F1B with virtual
+stages), whose `finalize_model_grads` finishes the gradient reduction (data-parallel
+reduce-scatter, sequence-parallel and tied-embedding all-reduces). Megatron's conventions: a
+micro-batch's loss is its mean over unmasked tokens divided by the number of micro-batches, and
+MoE balance losses are scaled alike (`MoEAuxLossAutoScaler`, set by the schedule).
+
+On CPU the same components run under `megamoe.megatron.cpu.cuda_as_cpu` (their CUDA
+allocations land on the CPU; collectives and point-to-point go over gloo). The optimizer state
+is checkpointed in the `fully_reshardable` layout, keyed by the model's sharded keys, so it
+reshards with every parallel size.
+"""
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from typing import Iterator
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
+
+from megamoe.megatron.cpu import cuda_as_cpu
+from megamoe.megatron.models import causal_attention_mask
+from megamoe.train.config import TrainConfig
+from megamoe.train.data import Batch
+
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _lm_loss(loss_mask_BS: torch.Tensor, losses_BS: torch.Tensor):
+    """Megatron's 3-tuple loss contract: (summed loss, tokens, report); the schedule divides by
+    the tokens and the number of micro-batches."""
+    loss_sum = (losses_BS.float() * loss_mask_BS).sum()
+    tokens = loss_mask_BS.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), tokens.float()])
+    return loss_sum, tokens, {"lm_loss": report}
+
+
+class Engine:
+    """Trains this rank's model chunks (one per virtual pipeline stage); see the module
+    docstring. `chunks` are GPTModels on the CPU; on CUDA they are moved to this rank's GPU."""
+
+    def __init__(self, chunks: list[torch.nn.Module], tc: TransformerConfig,
+                 config: TrainConfig, on_cuda: bool) -> None:
+        self.config = config
+        self.on_cuda = on_cuda
+        # Megatron's local attention builds its default causal mask on CUDA: pass one on CPU.
+        self.mask = None if on_cuda else causal_attention_mask(config.model.seq_length)
+        with self.device_context():
+            if on_cuda:
+                for chunk in chunks:
+                    chunk.cuda(torch.cuda.current_device())
+            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                       use_distributed_optimizer=True,
+                                                       overlap_grad_reduce=False)
+            self.ddp = [DistributedDataParallel(
+                config=tc, ddp_config=ddp_config,
+                module=Float16Module(tc, chunk) if tc.bf16 else chunk,
+                # Only the first chunk's buckets may skip padding (as Megatron-LM).
+                disable_bucketing=index > 0) for index, chunk in enumerate(chunks)]
+            opt = config.optimizer
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(optimizer="adam", lr=opt.lr, min_lr=opt.min_lr,
+                                weight_decay=opt.weight_decay, adam_beta1=opt.beta1,
+                                adam_beta2=opt.beta2, adam_eps=opt.eps, bf16=tc.bf16,
+                                params_dtype=tc.params_dtype, use_distributed_optimizer=True,
+                                clip_grad=config.training.grad_clip),
+                self.ddp)
+        tc.grad_scale_func = self.optimizer.scale_loss
+        no_sync = [ddp.no_sync for ddp in self.ddp]
+        tc.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        tc.finalize_model_grads_func = finalize_model_grads
+        self.forward_backward_func = get_forward_backward_func()
+
+    def device_context(self):
+        """Where Megatron-Core's training components run: as they are on CUDA, under
+        `cuda_as_cpu` on the CPU."""
+        return contextlib.nullcontext() if self.on_cuda else cuda_as_cpu()
+
+    def _forward_step(self, data_iterator: Iterator[Batch], model: torch.nn.Module):
+        batch = next(data_iterator)
+        if self.on_cuda:
+            batch = Batch(*(t.cuda(non_blocking=True) for t in batch))
+        losses_BS = model(batch.tokens, batch.position_ids, self.mask, labels=batch.labels)
+        return losses_BS, partial(_lm_loss, batch.loss_mask)
+
+    def forward_backward(self, batches: Iterator[Batch], num_microbatches: int) -> torch.Tensor:
+        """All micro-batches of one step through Megatron's schedule (gradients finalised).
+        Returns [sum of token losses, tokens] of this rank: zeros off the last pipeline stage and
+        on tensor-parallel ranks but the first (they hold the same loss), so the sum over all
+        ranks counts every token once. Every model chunk reads the step's micro-batches (a pipeline stage uses what it needs:
+        the first the tokens, the last the labels)."""
+        step_batches = [next(batches) for _ in range(num_microbatches)]
+        for ddp in self.ddp:
+            ddp.train()
+            ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        t = self.config.training
+        with self.device_context():
+            reports = self.forward_backward_func(
+                forward_step_func=self._forward_step,
+                data_iterator=[iter(step_batches) for _ in self.ddp],
+                model=self.ddp, num_microbatches=num_microbatches,
+                seq_length=self.config.model.seq_length, micro_batch_size=t.micro_batch_size,
+                forward_only=False)
+        totals = torch.zeros(2)
+        if parallel_state.get_tensor_model_parallel_rank() == 0:
+            for report in reports:
+                totals += report["lm_loss"].float().cpu()
+        return totals
+
+    def grad_norm(self) -> torch.Tensor:
+        """Copy the reduced gradients to the fp32 main gradients and return their global norm
+        (the first half of Megatron's `optimizer.step()`; the loop checks it before `step`)."""
+        with self.device_context():
+            self.optimizer.prepare_grads()  # bf16 or fp32: no loss scaler, nothing to skip
+            return torch.as_tensor(self.optimizer.get_grad_norm(), dtype=torch.float32).cpu()
+
+    def step(self, norm: torch.Tensor) -> None:
+        """The second half of Megatron's `optimizer.step()`: clip every chained optimizer's main
+        gradients by the global norm `norm` (as `ChainedOptimizer.step`), then update."""
+        with self.device_context():
+            if self.config.training.grad_clip > 0:
+                for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                    parameters = optimizer.get_parameters()
+                    if parameters and not getattr(optimizer, "is_stub_optimizer", False):
+                        clip_grad_by_total_norm_fp32(parameters, self.config.training.grad_clip,
+                                                     float(norm))
+            self.optimizer.step_with_ready_grads()
+
+    def model_weights_changed(self) -> None:
+        """Copy freshly loaded model weights into the optimizer's fp32 main weights."""
+        with self.device_context():
+            self.optimizer.reload_model_params()
+
+    def optimizer_sharded_state_dict(self, model_sharded: dict, is_loading: bool) -> dict:
+        with self.device_context():
+            return self.optimizer.sharded_state_dict(model_sharded, is_loading=is_loading,
+                                                     metadata=OPTIMIZER_SHARDING)
+
+    def load_optimizer_state_dict(self, loaded: dict) -> None:
+        with self.device_context():
+            self.optimizer.load_state_dict(loaded)

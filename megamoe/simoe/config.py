@@ -22,6 +22,11 @@ class SIMoEConfig:
     log_alpha_init_std: float = 0.5
     """Hard-concrete gates start at log-alpha ~ N(0, std) (SMAT's init; not confirmed for SIMoE)."""
 
+    mask_lr_scale: float = 50.0
+    """The masks learn this many times faster than the delta (SMAT, like CoFi, gives the mask
+    parameters their own larger learning rate; here one schedule serves both: the gates' log-alpha
+    is stored divided by this factor, and Adam's step is invariant to that scale)."""
+
     lagrangian_lr: float = 0.1
     """Step size of the dual ascent on each expert's sparsity multiplier (SMAT's one-sided
     Lagrangian; the step size is not published, ours is sized for a loss of order 1)."""
@@ -35,6 +40,8 @@ class SIMoEConfig:
         if not 0.0 <= self.target_sparsity < 1.0:
             raise ConfigError(f"simoe.target_sparsity={self.target_sparsity} must be in [0, 1), "
                               "the fraction of each expert's delta that is masked out")
+        if self.mask_lr_scale <= 0:
+            raise ConfigError(f"simoe.mask_lr_scale={self.mask_lr_scale} must be > 0")
         for name in ("log_alpha_init_std", "lagrangian_lr", "orthogonality_coefficient"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"simoe.{name}={getattr(self, name)} must be >= 0")

@@ -10,20 +10,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe.simoe.hard_concrete import deterministic_gates
-from megamoe.simoe.model import TRAINABLE_SUFFIXES, SIMoEGPTModel
+from megamoe.simoe.model import SIMoEGPTModel, is_simoe_state
 
 
 @torch.no_grad()
 def merged_dense_state_dict(model: SIMoEGPTModel, coefficients_M: torch.Tensor) -> dict:
     """The dense weights W0 + (a · z) * Delta for one sequence's coefficients a [M]."""
     state = {name: value for name, value in model.state_dict().items()
-             if not name.endswith(TRAINABLE_SUFFIXES) and not name.startswith("simoe_router.")}
+             if not is_simoe_state(name)}
     for name, module in model.named_modules():
-        if not hasattr(module, "mask_log_alpha"):
+        if not hasattr(module, "mask_logits"):
             continue
-        scales_I = coefficients_M.to(module.delta_weight) @ deterministic_gates(
-            module.mask_log_alpha).to(module.delta_weight)
+        gates_MI = module.gated.gates(module.mask_logits, training=False)
+        scales_I = coefficients_M.to(module.delta_weight) @ gates_MI.to(module.delta_weight)
         state[f"{name}.weight"] = module.weight + scales_I * module.delta_weight
     return state
 
@@ -36,8 +35,7 @@ def inference_parameters(model: SIMoEGPTModel) -> dict[str, int]:
     """Parameters SIMoE serves with: `active` per sequence (the merged dense model) and `stored`
     (seed, delta, masks and router, from which each sequence's merge is made)."""
     stored = count(model.parameters())
-    merge_inputs = count(p for n, p in model.named_parameters()
-                         if n.endswith(TRAINABLE_SUFFIXES) or n.startswith("simoe_router."))
+    merge_inputs = count(p for n, p in model.named_parameters() if is_simoe_state(n))
     return {"active": stored - merge_inputs, "stored": stored}
 
 

@@ -33,7 +33,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import nn
 
 from megamoe.simoe.config import SIMoEConfig
-from megamoe.simoe.hard_concrete import deterministic_gates, sample_gates
+from megamoe.simoe.hard_concrete import deterministic_gates, prob_nonzero, sample_gates
 from megamoe.simoe.merge import MergeState
 
 
@@ -56,6 +56,8 @@ def replicated_randn(shape: tuple[int, int], std: float, shard: slice, like: tor
 class GatedColumns:
     """The M hard-concrete gates over a parameter's columns (or elements), a part of its module.
 
+    The module's parameter `mask_logits` [M, local columns] holds log_alpha / `scale`, so Adam
+    moves log_alpha `simoe.mask_lr_scale` times faster than the delta with one learning rate.
     `columns` is the number of gated columns in the whole (unsplit) parameter and `shard` the
     local ones. `rows` is how many parameters of the whole model one local gate covers: the
     column's rows on every tensor-parallel rank when the gates are replicated (column-parallel),
@@ -64,19 +66,27 @@ class GatedColumns:
 
     def __init__(self, module: nn.Module, simoe: SIMoEConfig, columns: int, shard: slice,
                  rows: int, like: torch.Tensor) -> None:
-        module.mask_log_alpha = nn.Parameter(replicated_randn(
-            (simoe.num_experts, columns), simoe.log_alpha_init_std, shard, like))
+        self.scale = simoe.mask_lr_scale
+        module.mask_logits = nn.Parameter(replicated_randn(
+            (simoe.num_experts, columns), simoe.log_alpha_init_std / self.scale, shard, like))
         self.columns, self.shard, self.rows = columns, shard, rows
         self.covered_parameters = len(range(columns)[shard]) * rows
         """Parameters these (local) gates cover, counted as `rows` says."""
 
-    def gates(self, log_alpha_MI: torch.Tensor, training: bool) -> torch.Tensor:
+    def log_alpha(self, mask_logits_MI: torch.Tensor) -> torch.Tensor:
+        return mask_logits_MI * self.scale
+
+    def gates(self, mask_logits_MI: torch.Tensor, training: bool) -> torch.Tensor:
+        log_alpha_MI = self.log_alpha(mask_logits_MI)
         if not training:
             return deterministic_gates(log_alpha_MI)
         noise_MI = torch.rand((log_alpha_MI.shape[0], self.columns),
                               device=log_alpha_MI.device)[:, self.shard]
         return sample_gates(log_alpha_MI, noise_MI.to(log_alpha_MI.dtype))
 
+    def prob_nonzero(self, mask_logits_MI: torch.Tensor) -> torch.Tensor:
+        """P(z != 0) per gate, [M, I] (the expected L0 of each gated column)."""
+        return prob_nonzero(self.log_alpha(mask_logits_MI.float()))
 
 
 def column_scales(coefficients_BM: torch.Tensor, gates_MI: torch.Tensor, dtype: torch.dtype
@@ -100,7 +110,7 @@ class _InterpolatedLinear:
         replicas = 1 if self._split_columns else self.tp_group.size()
         self.gated = GatedColumns(self, simoe, columns, shard, rows * replicas, self.weight)
         if self._split_columns:
-            set_tensor_model_parallel_attributes(self.mask_log_alpha, True, 1, 1)
+            set_tensor_model_parallel_attributes(self.mask_logits, True, 1, 1)
         self.merge = merge
 
     @property
@@ -115,7 +125,7 @@ class _InterpolatedLinear:
             # Every rank's columns read a_BM: its gradient is the sum over the TP group.
             coefficients_BM = copy_to_tensor_model_parallel_region(coefficients_BM,
                                                                    group=self.tp_group)
-        gates_MI = self.gated.gates(self.mask_log_alpha, self.training)
+        gates_MI = self.gated.gates(self.mask_logits, self.training)
         scales_BI = column_scales(coefficients_BM, gates_MI, input.dtype)
         kwargs["bias"] = None
         return frozen + super()._forward_impl(input * scales_BI, self.delta_weight, *args,
@@ -127,7 +137,7 @@ class _InterpolatedLinear:
         if axis == 0:
             axes["bias"] = 0
         else:
-            axes["mask_log_alpha"] = 1
+            axes["mask_logits"] = 1
         return make_sharded_tensors_for_checkpoint(
             self.state_dict(prefix="", keep_vars=True), prefix, axes, sharded_offsets,
             tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
@@ -183,7 +193,7 @@ class InterpolatedNorm(nn.Module):
             normed_SBH = torch.nn.functional.rms_norm(x_SBH, shape, None, self.eps)
         else:
             normed_SBH = torch.nn.functional.layer_norm(x_SBH, shape, None, None, self.eps)
-        gates_MH = self.gated.gates(self.mask_log_alpha, self.training)
+        gates_MH = self.gated.gates(self.mask_logits, self.training)
         scales_BH = column_scales(self.merge.require(), gates_MH, x_SBH.dtype)
         scale_BH = self.weight + scales_BH * self.delta_weight
         out_SBH = normed_SBH * scale_BH

@@ -5,7 +5,11 @@ checkpoints see the model they know, under the same parameter names as the dense
 Megatron's local layer spec with every QKV, attention-output, fc1 and fc2 linear and every norm
 (the final one included) replaced by its interpolated form (`megamoe.simoe.interpolated`).
 Embeddings and the output layer stay frozen seed weights. Before each forward the prompt router
-sets the per-sequence merging coefficients (SIMoE, arXiv 2506.12597).
+sets the per-sequence merging coefficients (SIMoE, arXiv 2506.12597). In training, the mask
+regulariser (`penalties.MaskRegularizer`: sparsity Lagrangian + overlap) joins the loss through
+Megatron's `MoEAuxLossAutoScaler`, as Megatron's own auxiliary losses do, so each optimizer step
+counts it once whatever the number of micro-batches; `simoe_regularizer.step()` is the dual step
+after each optimizer step.
 
 Sequence parallelism is refused: the router pools the whole prompt, and the replicated gates would
 need the layernorm-style gradient all-reduce Megatron gives only to norm weights.
@@ -16,6 +20,7 @@ from typing import Optional
 
 import torch
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -29,8 +34,15 @@ from megamoe.simoe.interpolated import (
     InterpolatedRowParallelLinear,
 )
 from megamoe.simoe.merge import MergeState, PromptRouter
+from megamoe.simoe.penalties import MaskRegularizer
 
-TRAINABLE_SUFFIXES = ("delta_weight", "mask_log_alpha")
+TRAINABLE_SUFFIXES = ("delta_weight", "mask_logits")
+OWN_PREFIXES = ("simoe_router.", "simoe_regularizer.")
+
+
+def is_simoe_state(name: str) -> bool:
+    """Whether a state-dict entry is SIMoE's own (not in the dense seed's checkpoint)."""
+    return name.endswith(TRAINABLE_SUFFIXES) or name.startswith(OWN_PREFIXES)
 
 
 def simoe_block_spec(config: TransformerConfig, merge: MergeState, simoe: SIMoEConfig
@@ -62,8 +74,8 @@ class SIMoEGPTModel(GPTModel):
             self.simoe_router = PromptRouter(config.hidden_size, simoe.num_experts,
                                              config.init_method_std)
         for name, param in self.named_parameters():
-            trainable = name.endswith(TRAINABLE_SUFFIXES) or name.startswith("simoe_router.")
-            param.requires_grad_(trainable)
+            param.requires_grad_(is_simoe_state(name))
+        self.simoe_regularizer = MaskRegularizer(self, simoe)
 
     def route(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
         """a_BM from the prompt tokens' input embeddings (what the router reads)."""
@@ -80,4 +92,7 @@ class SIMoEGPTModel(GPTModel):
                 raise ValueError("SIMoEGPTModel.forward needs prompt_mask (or coefficients)")
             coefficients = self.route(input_ids, prompt_mask)
         self.merge.coefficients_BM = coefficients
-        return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        output = super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        if self.training and torch.is_grad_enabled():
+            output = MoEAuxLossAutoScaler.apply(output, self.simoe_regularizer()[0])
+        return output

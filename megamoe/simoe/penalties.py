@@ -22,12 +22,11 @@ from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_para
 from torch import nn
 
 from megamoe.simoe.config import SIMoEConfig
-from megamoe.simoe.hard_concrete import prob_nonzero
 
 
 def interpolated_modules(model: nn.Module) -> list[nn.Module]:
     """Every SIMoE-interpolated module (linear or norm) of a model, in module order."""
-    return [m for m in model.modules() if hasattr(m, "gated") and hasattr(m, "mask_log_alpha")]
+    return [m for m in model.modules() if hasattr(m, "gated") and hasattr(m, "mask_logits")]
 
 
 def _whole_model_sum(modules: list[nn.Module],
@@ -35,7 +34,7 @@ def _whole_model_sum(modules: list[nn.Module],
                      ) -> torch.Tensor:
     replicated, split, tp_group = 0.0, 0.0, None
     for module in modules:
-        value = per_module(module, prob_nonzero(module.mask_log_alpha.float()))
+        value = per_module(module, module.gated.prob_nonzero(module.mask_logits))
         if module.splits_gates:
             split, tp_group = split + value, module.tp_group
         else:
@@ -47,7 +46,7 @@ def _whole_model_sum(modules: list[nn.Module],
 
 def total_gated_parameters(modules: list[nn.Module]) -> float:
     """Parameters under the gates, whole model (each expert covers all of them)."""
-    ones = next(iter(modules)).mask_log_alpha.new_ones((), dtype=torch.float32)
+    ones = next(iter(modules)).mask_logits.new_ones((), dtype=torch.float32)
     return float(_whole_model_sum(modules, lambda m, _: ones * m.gated.covered_parameters))
 
 
@@ -90,7 +89,8 @@ class SparsityLagrangian(nn.Module):
 
 
 class MaskRegularizer(nn.Module):
-    """The sparsity Lagrangian plus the overlap penalty, for one SIMoE model."""
+    """The sparsity Lagrangian plus the overlap penalty, for one SIMoE model (its multipliers
+    are a buffer, saved with the model)."""
 
     def __init__(self, model: nn.Module, simoe: SIMoEConfig) -> None:
         super().__init__()
@@ -105,3 +105,13 @@ class MaskRegularizer(nn.Module):
         overlap = mean_pairwise(mask_overlap(self.gated_modules, self.total))
         loss = self.lagrangian.penalty(density_M) + self.orthogonality_coefficient * overlap
         return loss, density_M
+
+    @torch.no_grad()
+    def step(self) -> dict[str, float]:
+        """The Lagrangian's dual step, once per optimizer step; returns the metrics
+        `simoe/density` (mean over experts), `simoe/overlap` and `simoe/multiplier` (mean)."""
+        density_M = expected_density(self.gated_modules, self.total)
+        self.lagrangian.step(density_M)
+        overlap = mean_pairwise(mask_overlap(self.gated_modules, self.total))
+        return {"simoe/density": float(density_M.mean()), "simoe/overlap": float(overlap),
+                "simoe/multiplier": float(self.lagrangian.multipliers.mean())}

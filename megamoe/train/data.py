@@ -21,7 +21,7 @@ import contextlib
 import importlib.util
 import os
 import re
-from typing import Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -198,9 +198,11 @@ def iterate_batches(
     dp_size: int = 1,
     start_sample: int = 0,
     num_workers: int = 0,
+    collate: Callable[[list[dict]], Any] = _collate,
 ) -> Iterator[Batch]:
-    """Yield this data-parallel rank's micro batches of `dataset`, starting at global sample
-    `start_sample`, until fewer than `micro_batch_size * dp_size` samples remain.
+    """Yield this data-parallel rank's micro batches of `dataset` (samples put together by
+    `collate`), starting at global sample `start_sample`, until fewer than
+    `micro_batch_size * dp_size` samples remain.
 
     Every rank yields the same number of batches; `num_workers` loader processes prefetch them.
     """
@@ -216,6 +218,6 @@ def iterate_batches(
         )
     indices = _rank_sample_indices(len(dataset), micro_batch_size, dp_rank, dp_size, start_sample)
     loader = DataLoader(
-        dataset, batch_sampler=indices, num_workers=num_workers, collate_fn=_collate
+        dataset, batch_sampler=indices, num_workers=num_workers, collate_fn=collate
     )
     return iter(loader)

@@ -36,10 +36,9 @@ def lm_losses(model, tokens, prompt_mask) -> torch.Tensor:
                  labels=tokens[:, 1:], **extra)
 
 
-def train(model, routed: bool, regularize: Callable[[], torch.Tensor] = lambda: torch.zeros(()),
-          after_step: Callable[[], None] = lambda: None) -> torch.Tensor:
-    """STEPS Adam steps on the LM loss + `regularize()`, each followed by `after_step()`;
-    returns [STEPS, 2] (lm loss, regulariser)."""
+def train(model, routed: bool, after_step: Callable[[], object] = lambda: None) -> torch.Tensor:
+    """STEPS Adam steps on the LM loss (and what the model adds to it), each followed by
+    `after_step()`; returns the LM losses [STEPS]."""
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-2)
     gen = torch.Generator().manual_seed(1)
     losses = []
@@ -47,12 +46,11 @@ def train(model, routed: bool, regularize: Callable[[], torch.Tensor] = lambda: 
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
         prompt_mask = torch.rand(BATCH, SEQ, generator=gen) < 0.5
         lm = lm_losses(model, tokens, prompt_mask if routed else None).mean()
-        penalty = regularize()
         optimizer.zero_grad()
-        (lm + penalty).backward()
+        lm.backward()
         optimizer.step()
         after_step()
-        losses.append(torch.stack([lm.detach(), torch.as_tensor(penalty).detach()]))
+        losses.append(lm.detach())
     return torch.stack(losses)
 
 
@@ -75,7 +73,6 @@ def simoe_tp_job(rank: int, world_size: int, ckpt_dir: str) -> dict:
     from megamoe.megatron.runtime import setup_megatron
     from megamoe.simoe.config import SIMoEConfig
     from megamoe.simoe.model import SIMoEGPTModel
-    from megamoe.simoe.penalties import MaskRegularizer
 
     setup_megatron(tensor_model_parallel_size=world_size, seed=5)
     config = tiny_transformer_config(num_layers=2, hidden_size=32, num_attention_heads=4,
@@ -87,13 +84,9 @@ def simoe_tp_job(rank: int, world_size: int, ckpt_dir: str) -> dict:
         return SIMoEGPTModel(config, simoe, vocab_size=VOCAB, max_sequence_length=SEQ,
                              share_embeddings_and_output_weights=False)
 
-    model = build()
-    regularizer = MaskRegularizer(model, simoe)
-
-    def dual_step():  # once per optimizer step, as in training
-        regularizer.lagrangian.step(regularizer()[1])
-
-    losses = train(model, routed=True, regularize=lambda: regularizer()[0], after_step=dual_step)
+    model = build()  # its mask regulariser joins the loss in training mode
+    regularizer = model.simoe_regularizer
+    losses = train(model, routed=True, after_step=regularizer.step)
     group = parallel_state.get_tensor_model_parallel_group()
     result = {"eval": eval_losses(model), "losses": losses,
               "density": regularizer()[1].detach(),

@@ -10,7 +10,7 @@ from megamoe.instruct.lora import lora_gpt, rank_matching
 from megamoe.simoe.config import SIMoEConfig
 from megamoe.simoe.inference import inference_parameters, merged_dense_state_dict
 from megamoe.simoe.interpolated import GatedColumns
-from megamoe.simoe.model import SIMoEGPTModel
+from megamoe.simoe.model import SIMoEGPTModel, is_simoe_state
 from megamoe.simoe.penalties import (SparsityLagrangian, expected_density, interpolated_modules,
                                      total_gated_parameters)
 
@@ -37,8 +37,7 @@ def dense_and_simoe(simoe: SIMoEConfig, cfg=None):
                           share_embeddings_and_output_weights=False)
     missing, unexpected = model.load_state_dict(dense.state_dict(), strict=False)
     assert unexpected == []
-    assert all(k.endswith(("delta_weight", "mask_log_alpha")) or k.startswith("simoe_router.")
-               for k in missing), missing
+    assert missing and all(is_simoe_state(k) for k in missing), missing
     return dense, model
 
 
@@ -66,7 +65,7 @@ def test_initial_simoe_model_is_the_dense_model(megatron, training):
         got = logits(model, tokens, prompt_mask=prompt_mask)
     assert (got - expected).abs().max() < 1e-5
     assert sorted({n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.requires_grad}) \
-        == ["delta_weight", "mask_log_alpha", "weight"]  # the last: the router's only
+        == ["delta_weight", "mask_logits", "weight"]  # the last: the router's only
 
 
 def test_dense_masks_and_one_hot_router_are_a_plain_delta_fine_tune(megatron):
@@ -74,7 +73,7 @@ def test_dense_masks_and_one_hot_router_are_a_plain_delta_fine_tune(megatron):
     the dense model's own linear and norm weights do, step for step."""
     dense, model = dense_and_simoe(SIMoEConfig(num_experts=3))
     for module in interpolated_modules(model):
-        module.mask_log_alpha.data.fill_(30.0)  # z == 1 for any noise: every column kept
+        module.mask_logits.data.fill_(30.0)  # z == 1 for any noise: every column kept
     dense_trained = [p for n, p in dense.named_parameters()
                      if "decoder" in n and not n.endswith("bias")]
     for n, p in dense.named_parameters():
@@ -110,7 +109,7 @@ class ToyGated(torch.nn.Module):
 
 def test_lagrangian_drives_expected_sparsity_to_the_target():
     torch.manual_seed(0)
-    simoe = SIMoEConfig(num_experts=2, target_sparsity=0.75, lagrangian_lr=0.5)
+    simoe = SIMoEConfig(num_experts=2, target_sparsity=0.75, lagrangian_lr=0.5, mask_lr_scale=1.0)
     columns = 200
     toy = ToyGated(simoe, columns)
     target_w = torch.randn(columns)
@@ -119,7 +118,7 @@ def test_lagrangian_drives_expected_sparsity_to_the_target():
     total = total_gated_parameters([toy])
     for _ in range(1500):
         x = torch.randn(64, columns)
-        gates_MI = toy.gated.gates(toy.mask_log_alpha, training=True)
+        gates_MI = toy.gated.gates(toy.mask_logits, training=True)
         prediction = x @ (gates_MI.mean(0) * toy.delta)
         density_M = expected_density([toy], total)
         fit = ((prediction - x @ target_w) ** 2).mean() / columns  # about 1 at the start
@@ -136,7 +135,7 @@ def test_merged_dense_model_serves_each_sequence_as_simoe_does(megatron):
     dense, model = dense_and_simoe(SIMoEConfig(num_experts=4))
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(("delta_weight", "mask_log_alpha")) or "router" in name:
+            if name.endswith(("delta_weight", "mask_logits")) or "router" in name:
                 param.normal_(0.0, 0.3)
     model.eval()
     dense.eval()

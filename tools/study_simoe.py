@@ -1,6 +1,6 @@
 """SIMoE study: instruction-tune one small dense model four ways and check SIMoE's claims.
 
-    python tools/study_simoe.py [--out docs/study_simoe] [--quick]
+    python tools/study_simoe.py [--out docs/study_simoe] [--quick] [--cache-dir DIR]
 
 1. A dense GPT (configs/simoe_dense_seed.yaml) is pretrained on the embedded corpus.
 2. It is instruction-tuned on the seen task families of megamoe's generated instruction set
@@ -42,6 +42,7 @@ INSTRUCT_CONFIG = ROOT / "configs" / "simoe_instruct.yaml"
 MOE = {"experts": 4, "topk": 2}
 FULL = {"seed_steps": 500, "tune_steps": 300, "per_family_train": 300, "per_family_eval": 40}
 QUICK = {"seed_steps": 4, "tune_steps": 3, "per_family_train": 4, "per_family_eval": 2}
+CACHE: list[str] = []  # the data.cache_dir override of every run (--cache-dir)
 _TRAINABLE = re.compile(r"([\d,]+) of ([\d,]+) parameters train")
 
 
@@ -63,7 +64,7 @@ def train(config: Path, out: Path, overrides: list[str], label: str) -> tuple[di
     """One training run; (its last metrics record, stdout, seconds)."""
     stdout, seconds = run(["-m", "megamoe.train", "--config", str(config), f"output_dir={out}",
                            "logging.progress_bar=false", "logging.tensorboard=false",
-                           *overrides], label)
+                           *CACHE, *overrides], label)
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     return last, stdout, seconds
 
@@ -312,7 +313,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(ROOT / "docs" / "study_simoe"))
     parser.add_argument("--quick", action="store_true", help="a few steps per run (CI)")
+    parser.add_argument("--cache-dir", help="data.cache_dir of every run (the default corpus)")
     args = parser.parse_args(argv)
+    if args.cache_dir:
+        CACHE.append(f"data.cache_dir={args.cache_dir}")
     result = study(args.quick)
     write(result, Path(args.out))
     for claim in result["claims"]:

@@ -98,16 +98,24 @@ class _Epochs(Dataset):
         return self.base[self._orders[epoch][position]]
 
 
-def instruction_batches(config: TrainConfig, train_path: Path, tokenizer, dp_rank: int,
-                        dp_size: int, start_sample: int) -> Iterator:
-    """This data-parallel rank's instruction micro-batches from global sample `start_sample`."""
-    t = config.training
-    dataset = InstructionDataset(train_path, tokenizer, config.model.seq_length)
-    steps = t.train_steps + config.guards.max_rollbacks
-    epochs = _Epochs(dataset, steps * t.global_batch_size, t.seed)
-    return iterate_batches(epochs, micro_batch_size=t.micro_batch_size, dp_rank=dp_rank,
-                           dp_size=dp_size, start_sample=start_sample,
-                           num_workers=config.data.num_workers, collate=collate)
+class InstructionBatches:
+    """The tuning set, tokenized and checked once (before the run writes anything), dealt as
+    this data-parallel rank's micro-batches from any global sample on."""
+
+    def __init__(self, config: TrainConfig, train_path: Path, tokenizer, dp_rank: int,
+                 dp_size: int) -> None:
+        t = config.training
+        dataset = InstructionDataset(train_path, tokenizer, config.model.seq_length)
+        steps = t.train_steps + config.guards.max_rollbacks
+        self.samples = _Epochs(dataset, steps * t.global_batch_size, t.seed)
+        self.config, self.dp_rank, self.dp_size = config, dp_rank, dp_size
+
+    def __call__(self, start_sample: int) -> Iterator:
+        t = self.config.training
+        return iterate_batches(self.samples, micro_batch_size=t.micro_batch_size,
+                               dp_rank=self.dp_rank, dp_size=self.dp_size,
+                               start_sample=start_sample,
+                               num_workers=self.config.data.num_workers, collate=collate)
 
 
 def after_step(model: torch.nn.Module) -> dict[str, float]:

@@ -144,11 +144,12 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
     tokenizer = SentencePieceTokenizer(tokenizer_model)
     tc = transformer_config(config, on_cuda, bf16)
     device = torch.device("cuda" if on_cuda else "cpu")
-    evaluation = None
+    evaluation = instructions = None
     if finetune.enabled(config):
         train_data, eval_data = finetune.data_paths(config)
-        chunks = finetune.build_finetune_model(config, tc, tokenizer.vocab_size)
+        instructions = finetune.InstructionBatches(config, train_data, tokenizer, dp_rank, dp_size)
         evaluation = finetune.ExactMatchEvaluation(config, eval_data, tokenizer, device)
+        chunks = finetune.build_finetune_model(config, tc, tokenizer.vocab_size)
     else:
         chunks = build_model(config, tc, tokenizer.vocab_size)
     engine = Engine(chunks, tc, config, on_cuda)
@@ -181,9 +182,8 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
         f"{config.output_dir}")
 
     def batches_from(start_sample: int) -> Iterator:
-        if finetune.enabled(config):
-            return finetune.instruction_batches(config, train_data, tokenizer, dp_rank, dp_size,
-                                                start_sample)
+        if instructions is not None:
+            return instructions(start_sample)
         return training_batches(config, prefixes, tokenizer, dp_rank, dp_size, start_sample)
 
     return _Run(config, model, engine, state, batches_from(state.consumed_samples),

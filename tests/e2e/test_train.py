@@ -28,16 +28,6 @@ HALF = STEPS // 2
 RUN = (f"training.train_steps={STEPS}", "optimizer.warmup_steps=10", "checkpoint.interval=0")
 
 
-@pytest.fixture(scope="session")
-def corpus_cache(tmp_path_factory) -> Path:
-    """The default corpus and its tokenizer, built once for every run of this session."""
-    from megamoe.train.corpus import ensure_default_dataset
-
-    cache = tmp_path_factory.mktemp("megamoe-cache")
-    ensure_default_dataset(cache, progress=False)
-    return cache
-
-
 def _env() -> dict:
     return {**os.environ, "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1",
             "WANDB_MODE": "offline", "WANDB_SILENT": "true"}

@@ -1,8 +1,9 @@
-"""Time forward+backward of a megamoe layer and of Megatron-Core's own MoE layer (local spec,
-SequentialMLP, all-to-all dispatcher) at the same sizes, in the same process.
+"""Time forward+backward of a megamoe layer and of Megatron-Core's own MoE layer (all-to-all
+dispatcher; experts: SequentialMLP, or with --peer the grouped-GEMM GroupedMLP / TEGroupedMLP) at
+the same sizes, in the same process.
 
     python tools/bench_moe_layer.py                     # the issue's CPU bar (fp32)
-    python tools/bench_moe_layer.py --dtype bf16 --tokens 16384   # on a GPU
+    python tools/bench_moe_layer.py --dtype bf16 --tokens 16384 --peer te_grouped  # on a GPU
 
 Prints one line per implementation (median ms per forward+backward) and the ratio
 megamoe / Megatron-Core, and writes them as JSON to --json if given.
@@ -23,6 +24,7 @@ import torch  # noqa: E402
 from megamoe.errors import MegaMoEError, run_cli  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PEERS = ("sequential", "grouped", "te_grouped")
 
 
 def parse_args(argv):
@@ -36,16 +38,29 @@ def parse_args(argv):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--json", help="also write the figures to this JSON file")
+    parser.add_argument("--peer", choices=PEERS, default="sequential",
+                        help="Megatron-Core's experts: SequentialMLP (a per-expert loop), "
+                             "GroupedMLP (the grouped_gemm package) or TEGroupedMLP "
+                             "(Transformer Engine); the grouped ones need CUDA")
     return parser.parse_args(argv)
 
 
-def megatron_moe_layer(config):
-    """Megatron-Core's own MoE layer, built from its local GPT layer spec."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import build_module
+def megatron_moe_layer(config, peer: str = "sequential"):
+    """Megatron-Core's own MoE layer with `peer` experts (see --peer), from its MoE spec (a
+    ModuleSpec in 0.16, a builder in 0.19, which has no legacy GroupedMLP)."""
+    import dataclasses
 
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    return build_module(spec.submodules.mlp, config=config)
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    grouped = peer != "sequential"
+    legacy = {"moe_use_legacy_grouped_gemm": True} if peer == "grouped" else {}
+    spec = get_moe_module_spec(use_te=peer == "te_grouped", num_experts=config.num_moe_experts,
+                               moe_grouped_gemm=grouped, **legacy)
+    config = dataclasses.replace(config, moe_grouped_gemm=grouped)
+    if isinstance(spec, ModuleSpec):
+        return build_module(spec, config=config)
+    return spec(config=config)
 
 
 def time_fwd_bwd(layers, x, warmup, iters):
@@ -87,15 +102,18 @@ def main(argv=None):
     torch.manual_seed(0)
     x = torch.randn(args.tokens // 4, 4, args.hidden, device=device, dtype=dtype,
                     requires_grad=True)
-    layers = {"megamoe": MegatronMoELayer(config), "megatron-core": megatron_moe_layer(config)}
+    layers = {"megamoe": MegatronMoELayer(config),
+              "megatron-core": megatron_moe_layer(config, args.peer)}
     figures = {"device": torch.cuda.get_device_name() if device == "cuda" else
-               f"cpu ({torch.get_num_threads()} threads)", "args": vars(args)}
+               f"cpu ({torch.get_num_threads()} threads)", "args": vars(args),
+               "megatron_experts": type(layers["megatron-core"].experts).__name__}
     for layer in layers.values():
         layer.to(device=device, dtype=dtype).train()
     for name, ms in time_fwd_bwd(layers, x, args.warmup, args.iters).items():
         figures[name + "_ms"] = ms
         print(f"{name:14s} forward+backward: {ms:9.2f} ms "
-              f"(median of {args.iters}, {args.tokens} tokens, {args.dtype}, {figures['device']})")
+              f"(median of {args.iters}, {args.tokens} tokens, {args.dtype}, {figures['device']}; "
+              f"Megatron experts {figures['megatron_experts']})")
     figures["ratio"] = figures["megamoe_ms"] / figures["megatron-core_ms"]
     print(f"ratio megamoe / megatron-core: {figures['ratio']:.3f}")
     if args.json:

@@ -1,45 +1,101 @@
 #!/usr/bin/env bash
-# The GPU checks, as one script for a machine with CUDA (megamoe and megatron-core importable):
-# the CUDA tests, the layer and dispatch benchmarks in bf16, and a short bf16 training run with
-# an exact-resume comparison (Megatron's DDP + distributed optimizer).
-#     bash tools/gpu_check.sh OUT_DIR
-# Figures land in OUT_DIR (*.log, *.json, metrics.jsonl of the runs).
+# The GPU checks, in one call, for a machine with one CUDA GPU (megamoe and megatron-core
+# importable; Transformer Engine or grouped_gemm for the grouped-GEMM peer):
+#   1. the CUDA tests (grouped GEMM, shared-expert overlap, the Megatron GPT parity tests);
+#   2. the layer benchmark, megamoe vs Megatron-Core's grouped-GEMM experts (TEGroupedMLP when
+#      Transformer Engine imports, else the legacy GroupedMLP when grouped_gemm imports; never
+#      SequentialMLP, a per-expert loop);
+#   3. single-process bf16 training through the one training path (Megatron-Core DDP with
+#      gradient buffers + distributed optimizer + its schedule): 40 steps straight vs 20 + resume
+#      + 20 (exact resume, optimizer state included).
+#     bash tools/gpu_check.sh OUT_DIR            (about 8 minutes at most; every step is bounded)
+# Ends with a SUMMARY block, one `PASS|FAIL|SKIP <check>: <figures>` line per check; exit code 0
+# if nothing failed, 1 if a check failed, 77 (skipped) without a CUDA device. Logs, JSON figures
+# and the runs' metrics.jsonl land in OUT_DIR.
 set -uo pipefail
 out=${1:?usage: bash tools/gpu_check.sh OUT_DIR}
+cd "$(dirname "$0")/.."
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1
-gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-python3 -c "import torch, megatron.core; print(torch.__version__, megatron.core.__version__,
-torch.cuda.get_device_name())" | tee "$out/gpu.txt"
+export PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1 WANDB_MODE=offline
+summary="$out/summary.txt"
+: > "$summary"
+record() { echo "$*" | tee -a "$summary"; }
 
-echo "== CUDA tests" | tee "$out/tests.log"
+if ! timeout 60 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check: SKIP: no CUDA device visible (torch.cuda.is_available() is False); nothing was run"
+    exit 77
+fi
+timeout 120 python3 -c "import torch, megatron.core; print('torch', torch.__version__, '| megatron-core',
+megatron.core.__version__, '|', torch.cuda.get_device_name(), '| CUDA', torch.version.cuda)" \
+    | tee "$out/gpu.txt"
+
+# 1. CUDA tests ---------------------------------------------------------------------------------
 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/unit/test_layer.py \
-    tests/distributed/test_shared_overlap_cuda.py tests/unit/test_megatron_gpt.py 2>&1 \
-    | tail -15 | tee -a "$out/tests.log"
+    tests/distributed/test_shared_overlap_cuda.py tests/unit/test_megatron_gpt.py \
+    > "$out/tests.log" 2>&1
+status=$?
+counts=$(grep -E "passed|failed|error" "$out/tests.log" | tail -1)
+if [ $status -eq 0 ]; then record "PASS cuda tests: $counts"
+else record "FAIL cuda tests (exit $status): ${counts:-see $out/tests.log}"; fi
 
-echo "== layer: megamoe vs Megatron-Core" | tee "$out/bench.log"
-for args in "--dtype fp32" "--dtype bf16 --tokens 16384" \
-            "--dtype bf16 --hidden 4096 --ffn 14336 --experts 8 --topk 2 --tokens 4096"; do
-    timeout 150 python3 tools/bench_moe_layer.py $args --json "$out/layer_$(echo $args | tr -dc 'a-z0-9').json" \
-        2>&1 | grep -v -i warn | tail -3 | tee -a "$out/bench.log"
-done
-echo "== dispatch at EP=$gpus" | tee -a "$out/bench.log"
-timeout 150 torchrun --standalone --nproc-per-node "$gpus" tools/bench_ep_dispatch.py --ep "$gpus" \
-    --dtype bf16 --out "$out/dispatch.jsonl" 2>&1 | grep -v -i "warn\|it/s" | tail -8 | tee -a "$out/bench.log"
-
-echo "== bf16 training: 40 steps straight vs 20 + resume + 20" | tee "$out/train.log"
-common=(--config configs/tiny_cpu.yaml parallel.expert=1 training.train_steps=40 logging.interval=10
-        checkpoint.interval=0 logging.progress_bar=false)
-timeout 240 python3 -m megamoe.train "${common[@]}" output_dir="$out/straight" 2>&1 | tail -4 | tee -a "$out/train.log"
-for _ in 1 2; do
-    timeout 240 python3 -m megamoe.train "${common[@]}" output_dir="$out/resumed" training.exit_interval=20 \
-        2>&1 | tail -2 | tee -a "$out/train.log"
-done
-python3 - "$out" <<'PY' | tee -a "$out/train.log"
-import json, sys
-losses = {run: [json.loads(line)["loss"] for line in open(f"{sys.argv[1]}/{run}/metrics.jsonl")]
-          for run in ("straight", "resumed")}
-a, b = losses["straight"], losses["resumed"]
-print(f"loss {a[0]:.3f} -> {a[-1]:.3f}; max |straight - resumed| = "
-      f"{max(abs(x - y) for x, y in zip(a, b)):.3g} over {len(a)} steps")
+# 2. Layer benchmark vs Megatron-Core's grouped-GEMM experts -----------------------------------
+peer=$(timeout 120 python3 - <<'PY'
+try:
+    import transformer_engine.pytorch  # noqa: F401
+    print("te_grouped")
+except Exception:
+    try:
+        import grouped_gemm  # noqa: F401
+        print("grouped")
+    except Exception:
+        print("none")
 PY
+)
+if [ "$peer" = "none" ]; then
+    record "SKIP layer benchmark: neither transformer_engine nor grouped_gemm imports (no grouped-GEMM peer; SequentialMLP is not a fair one)"
+else
+    for args in "--tokens 16384" "--hidden 4096 --ffn 14336 --experts 8 --topk 2 --tokens 4096"; do
+        tag=$(echo "$args" | tr -dc 'a-z0-9')
+        if timeout 180 python3 tools/bench_moe_layer.py --dtype bf16 --peer "$peer" $args \
+                --json "$out/layer_$tag.json" > "$out/layer_$tag.log" 2>&1; then
+            record "PASS layer benchmark bf16 $args vs $peer: $(python3 -c "import json,sys; f=json.load(open(sys.argv[1])); print(f\"megamoe {f['megamoe_ms']:.2f} ms, {f['megatron_experts']} {f['megatron-core_ms']:.2f} ms, ratio {f['ratio']:.3f}\")" "$out/layer_$tag.json")"
+        else
+            record "FAIL layer benchmark bf16 $args vs $peer: $(grep -v -i warn "$out/layer_$tag.log" | tail -1)"
+        fi
+    done
+fi
+
+# 3. bf16 training through Megatron DDP + distributed optimizer; exact resume -------------------
+common=(--config configs/tiny_cpu.yaml parallel.expert=1 training.train_steps=40 logging.interval=10
+        checkpoint.interval=0 logging.progress_bar=false logging.tensorboard=false
+        training.precision=bf16)
+rm -rf "$out/straight" "$out/resumed"
+ok=1
+timeout 240 python3 -m megamoe.train "${common[@]}" output_dir="$out/straight" > "$out/train_straight.log" 2>&1 || ok=0
+for half in 1 2; do
+    timeout 240 python3 -m megamoe.train "${common[@]}" output_dir="$out/resumed" training.exit_interval=20 \
+        > "$out/train_resumed_$half.log" 2>&1 || ok=0
+done
+if [ $ok -eq 0 ]; then
+    record "FAIL bf16 training: a run exited non-zero (see $out/train_*.log: $(tail -1 "$out/train_straight.log"))"
+else
+    python3 - "$out" <<'PY' | tee -a "$summary"
+import json, sys
+def steps(run):
+    rows = [json.loads(line) for line in open(f"{sys.argv[1]}/{run}/metrics.jsonl")]
+    return [r for r in rows if "loss" in r and "event" not in r]
+a, b = steps("straight"), steps("resumed")
+la, lb = [r["loss"] for r in a], [r["loss"] for r in b]
+falls = len(la) == 40 and la[-1] < la[0] - 0.5
+print(f"{'PASS' if falls else 'FAIL'} bf16 training (Megatron DDP + distributed optimizer): "
+      f"{len(la)} steps, loss {la[0]:.3f} -> {la[-1]:.3f}, {a[-1]['tokens_per_s']:.0f} tokens/s")
+diff = max(abs(x - y) for x, y in zip(la, lb)) if len(la) == len(lb) == 40 else float("inf")
+print(f"{'PASS' if diff <= 1e-3 else 'FAIL'} exact resume (20 + 20 vs 40 steps, bf16): max |loss "
+      f"difference| = {diff:.3g} over {len(lb)} steps (bitwise: {diff == 0})")
+PY
+fi
+
+echo "== SUMMARY ($(head -1 "$out/gpu.txt"))"
+cat "$summary"
+if grep -q "^FAIL" "$summary"; then exit 1; fi
+exit 0

@@ -100,6 +100,11 @@ class GroupedExperts(nn.Module):
             (output_init_method or default_init)(self.fc2_weight.data[expert])
         for param in (self.fc1_weight, self.fc2_weight):
             param.allreduce = False  # Megatron DDP: expert grads reduce over expert-DP only
+            # Not a copy of another tensor-parallel rank's weights (each expert-data-parallel
+            # rank, tensor-parallel ranks included, owns its shard in the distributed
+            # optimizer): Megatron's gradient norm counts them on every rank, as it does its own
+            # expert weights, which carry these attributes.
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
         self.activation = ACTIVATIONS[cfg.activation]
 
     @property

@@ -261,6 +261,99 @@ def _patch_sequence_parallel_norm() -> None:
     WrappedTorchNorm.__new__ = staticmethod(new_with_sequence_parallel)
 
 
+def _patch_checkpoint_without_output() -> None:
+    """Output-discarding recomputation without Transformer Engine (0.16.1, 0.19.2:
+    `tensor_parallel/random.py`).
+
+    `CheckpointWithoutOutput.__init__` sets `self.fp8 = fp8 is not None`, true for the default
+    `fp8=False`, so selective recompute of `layernorm` (and `moe_act`) reaches Transformer
+    Engine's `FP8GlobalStateManager`, a NameError without it. Without Transformer Engine there
+    is no fp8: the flag is cleared after construction.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if getattr(mrandom, "HAVE_TE", False):
+        return
+    init = mrandom.CheckpointWithoutOutput.__init__
+
+    def init_without_fp8(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.fp8 = False
+
+    mrandom.CheckpointWithoutOutput.__init__ = init_without_fp8
+
+
+def _patch_torch_adam_checkpoints() -> None:
+    """Distributed-optimizer checkpoints with torch's Adam, which keeps its step in the
+    per-parameter state (0.16.1, 0.19.2: `optimizer/distrib_optimizer.py`; without apex or
+    Transformer Engine, whose fused Adam keeps it in the parameter groups).
+
+    - Loading: `load_state_dict` gives every parameter's state the same `step` tensor, which
+      torch's Adam then increments in place once per parameter and step (after a resume the
+      bias correction runs ahead): each parameter gets its own copy. And
+      `_set_main_param_and_optimizer_states` copies every state entry, `step` included, from
+      the checkpoint's tensors, which hold no `step` (it comes from the parameter groups): a
+      KeyError. The step is left out of that copy.
+    - Saving: every rank builds the expert optimizer (its norm is reduced over all of them), so
+      a pipeline stage without MoE layers (dense-first layers) holds one with no parameters and
+      no state. `DistributedOptimizer.state_dict` asserts on its empty step set, and the step it
+      records is what rank 0's common state carries into every loading rank. Such an optimizer
+      reports the step of its ChainedOptimizer's other optimizers (all step together).
+    """
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    if HAVE_APEX_OR_TE:
+        return
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states_but_step(self, model_param, tensors):
+        group, order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+        step = state.pop("step", None)
+        try:
+            set_states(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    load_state_dict = DistributedOptimizer.load_state_dict
+
+    def load_state_dict_with_own_steps(self, state_dict):
+        load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values() if self.optimizer is not None else ():
+            if "step" in state:
+                state["step"] = state["step"].clone()
+
+    state_dict = DistributedOptimizer.state_dict
+
+    def state_dict_allowing_empty(self):
+        if self.optimizer is None or self.optimizer.state:
+            return state_dict(self)
+        step = getattr(self, "chained_step", 0)
+        groups = [{**{k: v for k, v in group.items() if k != "params"}, "step": step}
+                  for group in self.optimizer.state_dict()["param_groups"]]
+        result = {"optimizer": {"param_groups": groups}}
+        if self.grad_scaler:
+            result["grad_scaler"] = self.grad_scaler.state_dict()
+        return result
+
+    sharded_state_dict = ChainedOptimizer.sharded_state_dict
+
+    def sharded_state_dict_sharing_step(self, *args, **kwargs):
+        steps = {float(state["step"]) for optimizer in self.chained_optimizers
+                 if getattr(optimizer, "optimizer", None) is not None
+                 for state in optimizer.optimizer.state.values()}
+        for optimizer in self.chained_optimizers:
+            optimizer.chained_step = max(steps, default=0.0)
+        return sharded_state_dict(self, *args, **kwargs)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states_but_step
+    DistributedOptimizer.load_state_dict = load_state_dict_with_own_steps
+    DistributedOptimizer.state_dict = state_dict_allowing_empty
+    ChainedOptimizer.sharded_state_dict = sharded_state_dict_sharing_step
+
+
 def _without_sequence_parallel(config):
     """A shallow copy of `config` with `sequence_parallel=False` (no re-validation)."""
     plain = copy.copy(config)
@@ -277,7 +370,18 @@ _OVERRIDES: dict[str, Callable[[], None]] = {
     "checkpoint_save": _patch_checkpoint_save,
     "te_general_gemm": _patch_missing_te_general_gemm,
     "sequence_parallel_norm": _patch_sequence_parallel_norm,
+    "checkpoint_without_output": _patch_checkpoint_without_output,
+    "torch_adam_checkpoints": _patch_torch_adam_checkpoints,
 }
+
+
+def fix_torch_adam_checkpoints() -> None:
+    """The torch-Adam checkpoint overrides (`_patch_torch_adam_checkpoints`) on any device:
+    they apply wherever Megatron-Core falls back to torch's Adam (no apex, no Transformer
+    Engine), GPUs included. Idempotent."""
+    if "torch_adam_checkpoints" not in _APPLIED:
+        _patch_torch_adam_checkpoints()
+        _APPLIED.append("torch_adam_checkpoints")
 
 
 def enable_megatron_on_cpu() -> list[str]:

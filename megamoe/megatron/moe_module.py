@@ -14,8 +14,10 @@ the whole tensor-parallel group's tokens, so they train the router exactly as at
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
+from megatron.core import tensor_parallel
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
 from megamoe.config import MoEConfig
@@ -61,6 +63,17 @@ class MegatronMoELayer(MoELayer):
             shared = self.shared_experts.parameters() if self.shared_experts is not None else ()
             for param in (*self.router.parameters(), *shared):
                 param.sequence_parallel = True
+
+    def forward(self, hidden_SBD, padding_mask=None):
+        """The MoE layer; recomputed in the backward pass under Megatron-Core's selective
+        recompute of `moe` (with `mlp`, TransformerLayer already recomputes this whole slot).
+        The router counts only the kept forward (`Router.counts_this_forward`)."""
+        modules = getattr(self.config, "recompute_modules", None) or ()
+        if (self.training and self.config.recompute_granularity == "selective"
+                and "moe" in modules and "mlp" not in modules):
+            return tensor_parallel.checkpoint(
+                functools.partial(super().forward, padding_mask=padding_mask), False, hidden_SBD)
+        return super().forward(hidden_SBD, padding_mask)
 
     def start_counting(self) -> None:
         """A new step also begins when Megatron-LM's logging zeroed its MoE tracker."""

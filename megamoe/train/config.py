@@ -40,8 +40,8 @@ PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 RECOMPUTE = ("none", "full", "selective")
 # Megatron-Core's selective recompute modules that apply to megamoe's GPT (no MLA, no
-# Megatron MoE layers: `mlp` recomputes megamoe's).
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+# Megatron MoE layers): `mlp` recomputes dense MLPs and megamoe's MoE layers, `moe` the latter.
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe")
 DECAY_STYLES = ("cosine", "linear", "constant")
 SPIKE_ACTIONS = ("stop", "rollback")
 FINETUNE_METHODS = ("none", "full", "lora", "simoe")
@@ -157,8 +157,8 @@ class TrainingConfig:
     """Activation recomputation: `none`, `full` (every transformer layer) or `selective` (the
     `recompute_modules` of each layer)."""
     recompute_modules: list[str] = field(default_factory=lambda: ["core_attn", "mlp"])
-    """With `recompute: selective`, Megatron-Core's recompute modules; `mlp` recomputes the
-    dense MLPs and the megamoe MoE layers."""
+    """With `recompute: selective`, Megatron-Core's recompute modules (`core_attn`,
+    `layernorm`, `mlp`: dense MLPs and megamoe MoE layers, `moe`: megamoe MoE layers only)."""
     exit_interval: int = 0
     """Save and exit 0 whenever the step count is a multiple of this (0: never), so a long run
     proceeds in chunks (a rerun of the same command resumes); as Megatron-LM's --exit-interval."""

@@ -37,12 +37,15 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
-from megamoe.megatron.cpu import cuda_as_cpu
+from megamoe.megatron.cpu import cuda_as_cpu, fix_torch_adam_checkpoints
 from megamoe.megatron.models import causal_attention_mask
 from megamoe.train.config import TrainConfig
 from megamoe.train.data import Batch
 
-OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+# Keys of the optimizer state are the parameters' own (no `chained_N.` prefix): the number and
+# order of chained optimizers differ between layouts (a stage without experts has an empty one).
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable",
+                      "chained_optim_avoid_prefix": True}
 
 
 def _lm_loss(loss_mask_BS: torch.Tensor, losses_BS: torch.Tensor):
@@ -63,6 +66,7 @@ class Engine:
         self.config = config
         self.on_cuda = on_cuda
         self.routes_prompt = config.finetune.method == "simoe"
+        fix_torch_adam_checkpoints()
         # Megatron's local attention builds its default causal mask on CUDA: pass one on CPU.
         self.mask = None if on_cuda else causal_attention_mask(config.model.seq_length)
         with self.device_context():
@@ -110,8 +114,8 @@ class Engine:
         """All micro-batches of one step through Megatron's schedule (gradients finalised).
         Returns [sum of token losses, tokens] of this rank: zeros off the last pipeline stage and
         on tensor-parallel ranks but the first (they hold the same loss), so the sum over all
-        ranks counts every token once. Every model chunk reads the step's micro-batches (a pipeline stage uses what it needs:
-        the first the tokens, the last the labels)."""
+        ranks counts every token once. Every model chunk reads the step's micro-batches (a
+        pipeline stage uses what it needs: the first the tokens, the last the labels)."""
         step_batches = [next(batches) for _ in range(num_microbatches)]
         for ddp in self.ddp:
             ddp.train()

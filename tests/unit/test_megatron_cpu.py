@@ -167,3 +167,34 @@ def test_teardown_leaves_a_callers_process_group_alone():
         assert not parallel_state.model_parallel_is_initialized()
     finally:
         dist.destroy_process_group()
+
+
+def test_cuda_as_cpu_puts_megatrons_cuda_allocations_on_the_cpu():
+    from megamoe.megatron.cpu import cuda_as_cpu
+
+    with cuda_as_cpu():
+        made = torch.zeros(3, dtype=torch.int, device="cuda")
+        moved = torch.ones(2).cuda()
+        target = torch.ones(2).to("cuda")
+        names = (torch.ones(1).type(), torch.ones(1, dtype=torch.bfloat16).type())
+        current = torch.cuda.current_device()
+    assert made.device.type == moved.device.type == target.device.type == "cpu"
+    assert names == ("torch.cuda.FloatTensor", "torch.cuda.BFloat16Tensor")
+    assert current == torch.device("cpu")
+    assert torch.ones(1).type() == "torch.FloatTensor"  # only inside the block
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(1, device="cuda")
+
+
+def test_torch_norm_under_sequence_parallelism_marks_its_weights(megatron):
+    """Megatron's fused norms mark their weights so finalize_model_grads sums their gradients
+    over the tensor-parallel group; the CPU torch norm does the same instead of refusing."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    config = tiny_transformer_config(sequence_parallel=True, tensor_model_parallel_size=1)
+    norm = WrappedTorchNorm(config, 64)
+    plain = WrappedTorchNorm(tiny_transformer_config(), 64)
+    assert isinstance(norm, torch.nn.LayerNorm)
+    assert all(getattr(p, "sequence_parallel", False) for p in norm.parameters())
+    assert not any(getattr(p, "sequence_parallel", False) for p in plain.parameters())
+    assert config.sequence_parallel  # the caller's config is left as it was

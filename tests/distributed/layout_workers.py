@@ -1,0 +1,208 @@
+"""Per-rank jobs of the parallel-layout tests (run through `ep_harness.spawn`).
+
+Every job trains the same tiny GPT-MoE (layer 0 dense, layers 1-3 MoE with a shared expert,
+loss-free bias plus aux and z losses) through the real trainer (`megamoe.train.loop`) at one or
+more parallel layouts, one after the other in the same processes (megatron.core is imported once
+per process). Every run starts from the same initial weights (`checkpoint.init_from`, saved once
+by the single-process job), so a layout changes nothing but how the work is split.
+
+A run's result: the per-step losses and gradient norms of metrics.jsonl, and every rank's
+expert biases ("layer N", global and 1-based -> tensor) at the end. Its checkpoints (at the end, and at RESUME_AT for
+the runs resumes start from) stay in its output folder, where the single-process job later
+loads the final weights of every layout.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+STEPS = 4
+RESUME_AT = 2  # the runs that resumes start from checkpoint here; every run at its end
+RESUME_SOURCES = ("tp2_sp", "pp2", "dp2_ep2", "tp2_pp2_ep2")
+
+BASE = {
+    "model": {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
+              "ffn_hidden_size": 64, "seq_length": 32, "first_k_dense": 1,
+              "make_vocab_size_divisible_by": 64},
+    "moe": {"num_experts": 4, "ffn_hidden_size": 32, "topk": 2, "score_function": "sigmoid",
+            "balancing": ["bias", "aux_loss"], "aux_loss_coeff": 1.0e-2, "z_loss_coeff": 1.0e-3,
+            "bias_update_rate": 1.0e-2, "shared_expert_ffn_size": 32},
+    "training": {"train_steps": STEPS, "micro_batch_size": 1, "global_batch_size": 4,
+                 "grad_clip": 1.0},
+    "optimizer": {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_steps": 2},
+    "checkpoint": {"interval": 0},
+    "logging": {"interval": 1, "progress_bar": False, "tensorboard": False},
+}
+
+# name -> (processes, parallel section)
+LAYOUTS = {
+    "tp2_sp": (2, {"tensor": 2}),
+    "pp2": (2, {"pipeline": 2}),
+    "pp2_vpp2": (2, {"pipeline": 2, "virtual_stages": 2}),
+    "pp2_uneven_1_3": (2, {"pipeline": 2, "first_stage_layers": 1, "last_stage_layers": 3}),
+    "ep2_tp2": (2, {"expert": 2, "tensor": 2}),
+    "dp2_ep2": (2, {"expert": 2}),
+    "ep2_pp2": (4, {"expert": 2, "pipeline": 2}),
+    "dp4_ep4": (4, {"expert": 4}),
+    "tp2_pp2_ep2": (4, {"tensor": 2, "pipeline": 2, "expert": 2}),
+}
+RECOMPUTE = {"recompute_full": {"recompute": "full"},
+             "recompute_selective_mlp": {"recompute": "selective",
+                                         "recompute_modules": ["core_attn", "layernorm", "mlp"]},
+             "recompute_selective_moe": {"recompute": "selective", "recompute_modules": ["moe"]}}
+
+
+def config_dict(data: dict, out: str, parallel: dict, training: dict = None,
+                init_from: str | None = None) -> dict:
+    raw = json.loads(json.dumps(BASE))
+    raw["output_dir"] = out
+    raw["data"] = dict(data)
+    raw["parallel"] = dict(parallel)
+    raw["training"].update(training or {})
+    if Path(out).name in RESUME_SOURCES:
+        raw["checkpoint"]["interval"] = RESUME_AT
+    if init_from:
+        raw["checkpoint"]["init_from"] = init_from
+    return raw
+
+
+def _init_process_group() -> None:
+    """The job's own process group: every layout's setup_megatron reuses it (and its teardown
+    leaves it), so one spawn runs several layouts."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="env://")
+
+
+def train(raw: dict) -> dict:
+    """One training run at `raw`'s layout, as `megamoe.train.loop.run` does it, keeping the
+    model long enough to read every rank's expert biases."""
+    from megamoe.megatron.runtime import setup_megatron, teardown_megatron
+    from megamoe.train import loop
+    from megamoe.train.config import config_from_dict
+    from megamoe.train.signals import StopRequest
+
+    config = config_from_dict(raw)
+    p = config.parallel
+    setup_megatron(tensor_model_parallel_size=p.tensor, pipeline_model_parallel_size=p.pipeline,
+                   virtual_pipeline_model_parallel_size=p.virtual_stages,
+                   expert_model_parallel_size=p.expert, seed=config.training.seed)
+    try:
+        run = loop._prepare(config, False, False)
+        try:
+            loop._train(run, StopRequest())
+        finally:
+            run.logger.close()
+        biases = {f"layer {module.layer_number}": module.expert_bias.detach().clone()
+                  for module in run.model.modules()
+                  if getattr(module, "expert_bias", None) is not None}
+    finally:
+        teardown_megatron()
+    result = {"biases": biases}
+    if dist.get_rank() == 0:
+        records = [json.loads(line) for line in
+                   (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in records if "loss" in r and "event" not in r]
+        result.update(steps=[r["step"] for r in steps], losses=[r["loss"] for r in steps],
+                      grad_norms=[r["grad_norm"] for r in steps])
+    return result
+
+
+def resume_folder(source: str, step: int, target: str) -> None:
+    """A new output folder whose checkpoint folder holds only `source`'s step-`step` checkpoint
+    (so a run there resumes from it)."""
+    name = f"iter_{step:07d}"
+    ckpts = Path(target) / "checkpoints"
+    ckpts.mkdir(parents=True)
+    shutil.copytree(Path(source) / "checkpoints" / name, ckpts / name)
+    (ckpts / "latest_checkpointed_iteration.txt").write_text(str(step))
+
+
+def job(rank: int, world_size: int, runs: list[dict]) -> dict:
+    """Run every entry of `runs` in order: {"name", "raw"} (a config) and optionally
+    "resume_from": (output folder, step) to start from that checkpoint instead."""
+    _init_process_group()
+    results = {}
+    for entry in runs:
+        if "resume_from" in entry:
+            if rank == 0:
+                resume_folder(*entry["resume_from"], entry["raw"]["output_dir"])
+            dist.barrier()
+        results[entry["name"]] = train(entry["raw"])
+    return results
+
+
+# ---- the single-process job: initial weights, reference, and final-weight comparison -------
+
+def save_initial_weights(raw: dict, out: str) -> None:
+    """The model a run at `raw` starts from, saved as model weights (a torch_dist folder, what
+    `checkpoint.init_from` takes) in `out`."""
+    from megatron.core import dist_checkpointing
+
+    from megamoe.megatron.runtime import setup_megatron, teardown_megatron
+    from megamoe.train import loop
+    from megamoe.train.config import config_from_dict
+
+    raw = dict(raw, output_dir=f"{out}_run",
+               checkpoint={k: v for k, v in raw["checkpoint"].items() if k != "init_from"})
+    config = config_from_dict(raw)
+    setup_megatron(seed=config.training.seed)
+    try:
+        run = loop._prepare(config, False, False)
+        run.logger.close()
+        Path(out).mkdir(parents=True)
+        dist_checkpointing.save({"model": run.model.sharded_state_dict()}, out)
+    finally:
+        teardown_megatron()
+
+
+def final_weights(raw: dict, folder: str) -> dict:
+    """Every parameter and buffer of the single-process model loaded from the checkpoint
+    folder `folder` (of any layout)."""
+    from megamoe.megatron.runtime import setup_megatron, teardown_megatron
+    from megamoe.train.checkpoint import load_model_weights
+    from megamoe.train.config import config_from_dict
+    from megamoe.train.inputs import data_sources
+    from megamoe.train.model import build_model, transformer_config
+    from megamoe.train.tokenizer import SentencePieceTokenizer
+
+    config = config_from_dict(raw)
+    setup_megatron(seed=config.training.seed)
+    try:
+        _, tokenizer_model = data_sources(config)
+        tc = transformer_config(config, False, False)
+        (model,) = build_model(config, tc, SentencePieceTokenizer(tokenizer_model).vocab_size)
+        load_model_weights(folder, model, config)
+        return {k: v.detach().clone() for k, v in model.state_dict().items()
+                if not k.endswith("_extra_state")}
+    finally:
+        teardown_megatron()
+
+
+def weights_job(rank: int, world_size: int, runs: list[dict], compare: dict) -> dict:
+    """Run `runs` (as `job`), then load each checkpoint folder of `compare` (name -> (raw,
+    folder)) into the single-process model and return the largest difference of every
+    parameter and buffer from the first entry's."""
+    results = job(rank, world_size, runs) if runs else {}
+    weights = {name: final_weights(raw, folder) for name, (raw, folder) in compare.items()}
+    names = list(weights)
+    reference = weights[names[0]]
+    diffs = {}
+    for name in names[1:]:
+        assert weights[name].keys() == reference.keys(), name
+        diffs[name] = {key: float((weights[name][key] - value).abs().max())
+                       for key, value in reference.items()}
+    results["weight_diffs"] = diffs
+    results["reference_bias"] = {k: v for k, v in reference.items() if k.endswith("expert_bias")}
+    return results
+
+
+def init_job(rank: int, world_size: int, raw: dict, init_dir: str, runs: list[dict]) -> dict:
+    """Save the initial weights, then run `runs` (the reference and recompute runs)."""
+    _init_process_group()
+    save_initial_weights(raw, init_dir)
+    return job(rank, world_size, runs)
+

@@ -1,0 +1,208 @@
+"""Every parallel layout trains the tiny GPT-MoE exactly as one process does, through the real
+trainer (Megatron-Core DDP, distributed optimizer, pipeline schedules, finalize_model_grads):
+per-step losses and gradient norms, final weights and expert biases within 1e-4 (fp32), expert
+biases identical on every rank. Checkpoints saved at one layout resume at another (TP 2->1,
+PP 2->1->2, EP 2->4, TP2xPP2xEP2 -> one process) with the losses of an uninterrupted run at the
+new layout. Full and selective activation recomputation give the same gradients (norms), weights
+and biases (each token counted once).
+
+Spawns, in order (each imports megatron.core once and runs several layouts): one process
+(initial weights, reference, recompute runs), two (five layouts, first resume legs), four (three
+layouts, EP 2->4), one (resumes at one process, final weights of all), two (PP 1->2).
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import layout_workers as lw
+from ep_harness import spawn
+
+TOL = 1e-4
+RUN_TIMEOUT_S = 420
+TIMINGS: dict[str, float] = {}
+
+
+@pytest.fixture(scope="session")
+def data(tmp_path_factory) -> dict:
+    """A small indexed dataset (seeded random sentences over 300 made-up words) with its own
+    512-token tokenizer."""
+    import random
+
+    from megamoe.train.data_prep import preprocess
+
+    root = tmp_path_factory.mktemp("layout_data")
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
+             for _ in range(300)]
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(20, 80))) + "."
+            for _ in range(400)]
+    (root / "docs.txt").write_text("\n\n".join(docs))
+    prefix = root / "corpus"
+    preprocess([root / "docs.txt"], prefix, vocab_size=512, progress=False)
+    return {"prefixes": [str(prefix)], "tokenizer_model": f"{prefix}.model"}
+
+
+@pytest.fixture(scope="session")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("layouts")
+
+
+def _raw(data, root, name, parallel, training=None):
+    return lw.config_dict(data, str(root / name), parallel, training,
+                          init_from=str(root / "init"))
+
+
+def _spawn(label, world, fn, root, **kwargs):
+    start = time.monotonic()
+    out = spawn(world, fn, str(root / f"spawn_{label}"), RUN_TIMEOUT_S, **kwargs)
+    TIMINGS[label] = time.monotonic() - start
+    return out
+
+
+@pytest.fixture(scope="session")
+def world1a(data, root):
+    """Initial weights; the single-process reference; full and selective recompute."""
+    raw = _raw(data, root, "reference", {})
+    runs = [{"name": "reference", "raw": raw}] + [
+        {"name": name, "raw": _raw(data, root, name, {}, settings)}
+        for name, settings in lw.RECOMPUTE.items()]
+    return _spawn("world1a", 1, lw.init_job, root, raw=raw, init_dir=str(root / "init"),
+                  runs=runs)
+
+
+def _layout_runs(data, root, world):
+    return [{"name": name, "raw": _raw(data, root, name, parallel)}
+            for name, (procs, parallel) in lw.LAYOUTS.items() if procs == world]
+
+
+@pytest.fixture(scope="session")
+def world2a(world1a, data, root):
+    return _spawn("world2a", 2, lw.job, root, runs=_layout_runs(data, root, 2))
+
+
+@pytest.fixture(scope="session")
+def world4(world2a, data, root):
+    """Three layouts, then EP 2->4: dp2_ep2's step-2 checkpoint resumed at EP=4."""
+    resume = {"name": "resume_ep2_to_ep4", "raw": _raw(data, root, "resume_ep2_to_ep4",
+                                                       {"expert": 4}),
+              "resume_from": (str(root / "dp2_ep2"), lw.RESUME_AT)}
+    return _spawn("world4", 4, lw.job, root, runs=_layout_runs(data, root, 4) + [resume])
+
+
+@pytest.fixture(scope="session")
+def world1b(world4, data, root):
+    """Resumes at one process (TP 2->1, PP 2->1 for one step, TP2xPP2xEP2 -> 1), then the
+    final weights of every run against the reference's."""
+    runs = [
+        {"name": "resume_tp2_to_tp1", "raw": _raw(data, root, "resume_tp2_to_tp1", {}),
+         "resume_from": (str(root / "tp2_sp"), lw.RESUME_AT)},
+        {"name": "resume_pp2_to_pp1", "raw": _raw(data, root, "resume_pp2_to_pp1", {},
+                                                  {"exit_interval": lw.RESUME_AT + 1}),
+         "resume_from": (str(root / "pp2"), lw.RESUME_AT)},
+        {"name": "resume_mixed_to_1", "raw": _raw(data, root, "resume_mixed_to_1", {}),
+         "resume_from": (str(root / "tp2_pp2_ep2"), lw.RESUME_AT)},
+    ]
+    reference = _raw(data, root, "reference", {})
+    names = ["reference", *lw.RECOMPUTE, *lw.LAYOUTS, "resume_ep2_to_ep4",
+             "resume_tp2_to_tp1", "resume_mixed_to_1"]
+    compare = {name: (reference, str(root / name / "checkpoints")) for name in names}
+    return _spawn("world1b", 1, lw.weights_job, root, runs=runs, compare=compare)
+
+
+@pytest.fixture(scope="session")
+def world2b(world1b, data, root):
+    """PP 1->2: the PP=1 leg's last checkpoint resumed at PP=2 for the remaining step."""
+    runs = [{"name": "resume_pp1_to_pp2", "raw": _raw(data, root, "resume_pp1_to_pp2",
+                                                      {"pipeline": 2}),
+             "resume_from": (str(root / "resume_pp2_to_pp1"), lw.RESUME_AT + 1)}]
+    return _spawn("world2b", 2, lw.job, root, runs=runs)
+
+
+def _result(name, world1a, world2a, world4, world1b, world2b):
+    for spawned in (world1a, world2a, world4, world1b, world2b):
+        if name in spawned[0]:
+            return spawned
+    raise KeyError(name)
+
+
+def _max_diff(a, b):
+    assert len(a) == len(b), (a, b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="session")
+def everything(world1a, world2a, world4, world1b, world2b):
+    return world1a, world2a, world4, world1b, world2b
+
+
+def _check_biases_replicated(ranks, name):
+    """Every rank holding a layer's router has the same expert bias."""
+    seen: dict[str, torch.Tensor] = {}
+    for rank, result in enumerate(ranks):
+        for layer, bias in result[name]["biases"].items():
+            if layer in seen:
+                torch.testing.assert_close(bias, seen[layer], rtol=0, atol=0,
+                                           msg=lambda m: f"{name} rank {rank} {layer}: {m}")
+            seen[layer] = bias
+    assert sorted(seen) == ["layer 2", "layer 3", "layer 4"], f"{name}: {sorted(seen)}"
+
+
+@pytest.mark.parametrize("name", [*lw.LAYOUTS, *lw.RECOMPUTE])
+def test_layout_trains_as_one_process(everything, name):
+    world1a, *_ = everything
+    reference = world1a[0]["reference"]
+    ranks = _result(name, *everything)
+    got = ranks[0][name]
+    assert got["steps"] == list(range(1, lw.STEPS + 1))
+    loss_diff = _max_diff(got["losses"], reference["losses"])
+    norm_diff = _max_diff(got["grad_norms"], reference["grad_norms"])
+    weight_diffs = everything[3][0]["weight_diffs"][name]
+    weight_diff = max(weight_diffs.values())
+    print(f"\nLAYOUT {name}: processes {len(ranks)}, max loss diff {loss_diff:.2e}, max grad "
+          f"norm diff {norm_diff:.2e}, max weight diff {weight_diff:.2e}")
+    assert reference["losses"][-1] < reference["losses"][0]  # the model learns
+    assert loss_diff <= TOL, (got["losses"], reference["losses"])
+    assert norm_diff <= TOL, (got["grad_norms"], reference["grad_norms"])
+    worst = max(weight_diffs, key=weight_diffs.get)
+    assert weight_diff <= TOL, f"{worst}: {weight_diff}"
+    assert any(k.endswith("expert_bias") for k in weight_diffs)
+    _check_biases_replicated(ranks, name)
+
+
+def test_expert_biases_moved(everything):
+    """The loss-free bias is live in these runs (so equal biases mean something)."""
+    biases = everything[3][0]["reference_bias"]
+    assert biases and all(float(b.abs().max()) > 0 for b in biases.values())
+
+
+FIRST = lw.RESUME_AT + 1
+RESUMES = {  # name: (uninterrupted run at the new layout, first and last resumed step)
+    "resume_tp2_to_tp1": ("reference", FIRST, lw.STEPS),
+    "resume_pp2_to_pp1": ("reference", FIRST, FIRST),
+    "resume_pp1_to_pp2": ("pp2", FIRST + 1, lw.STEPS),
+    "resume_ep2_to_ep4": ("dp4_ep4", FIRST, lw.STEPS),
+    "resume_mixed_to_1": ("reference", FIRST, lw.STEPS),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RESUMES))
+def test_resharding_resume_continues_the_run(everything, name):
+    uninterrupted_name, first, last = RESUMES[name]
+    got = _result(name, *everything)[0][name]
+    uninterrupted = _result(uninterrupted_name, *everything)[0][uninterrupted_name]
+    assert got["steps"] == list(range(first, last + 1))
+    expected = uninterrupted["losses"][first - 1:last]
+    diff = _max_diff(got["losses"], expected)
+    print(f"\nRESUME {name}: max loss diff {diff:.2e} vs {uninterrupted_name}")
+    assert diff <= TOL, (got["losses"], expected)
+    norm_diff = _max_diff(got["grad_norms"], uninterrupted["grad_norms"][first - 1:last])
+    assert norm_diff <= TOL
+    if name in everything[3][0]["weight_diffs"]:
+        assert max(everything[3][0]["weight_diffs"][name].values()) <= TOL
+
+
+def test_timings(everything):
+    print("\nSPAWN TIMES " + ", ".join(f"{k} {v:.1f}s" for k, v in TIMINGS.items()))

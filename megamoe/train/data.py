@@ -217,7 +217,10 @@ def iterate_batches(
             "build the dataset with enough train samples for the resumed run"
         )
     indices = _rank_sample_indices(len(dataset), micro_batch_size, dp_rank, dp_size, start_sample)
+    # A DataLoader draws its workers' base seed from the generator it is given (else the
+    # default one, which would shift every later draw of a resumed run: dropout, SIMoE's masks).
     loader = DataLoader(
-        dataset, batch_sampler=indices, num_workers=num_workers, collate_fn=collate
+        dataset, batch_sampler=indices, num_workers=num_workers, collate_fn=collate,
+        generator=torch.Generator().manual_seed(start_sample),
     )
     return iter(loader)

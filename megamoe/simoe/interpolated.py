@@ -32,6 +32,7 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import nn
 
+from megamoe.errors import ConfigError
 from megamoe.simoe.config import SIMoEConfig
 from megamoe.simoe.hard_concrete import deterministic_gates, prob_nonzero, sample_gates
 from megamoe.simoe.merge import MergeState
@@ -176,7 +177,8 @@ class InterpolatedNorm(nn.Module):
                  simoe: SIMoEConfig) -> None:
         super().__init__()
         if getattr(config, "layernorm_zero_centered_gamma", False):
-            raise ValueError("SIMoE norms do not support layernorm_zero_centered_gamma")
+            raise ConfigError("SIMoE norms do not support layernorm_zero_centered_gamma=True; "
+                              "set it to false")
         self.rms = config.normalization == "RMSNorm"
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)

@@ -38,7 +38,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -383,28 +383,33 @@ def resolve_weights_dir(path: str | Path) -> Path:
     return path
 
 
-def _load_weights(folder: Path, model: torch.nn.Module, config: TrainConfig) -> None:
+def _load_weights(folder: Path, model: torch.nn.Module, config: TrainConfig,
+                  new_key: Callable[[str], bool] = lambda key: False) -> None:
+    def optional(key: str) -> bool:
+        return key.endswith(_OPTIONAL_KEY_ENDINGS) or new_key(key)
+
     loaded, _, absent = _load(_model_entries(model, config), folder,
                               strict=StrictHandling.RETURN_ALL)
-    required = sorted(k for k in absent if not k.endswith(_OPTIONAL_KEY_ENDINGS))
+    required = sorted(k for k in absent if not optional(k))
     if required:
         raise CheckpointError(
             f"{folder} lacks {len(required)} model tensors, e.g. {required[:3]}; make the "
             "config's model and moe sections match the checkpoint"
         )
     missing = _load_model_entries(model, loaded, strict=False)
-    required = [k for k in missing if not k.endswith(_OPTIONAL_KEY_ENDINGS)]
+    required = [k for k in missing if not optional(k)]
     if required:
         raise CheckpointError(f"{folder} did not provide {required[:3]}; make the config's model "
                               "and moe sections match the checkpoint")
 
 
-def load_model_weights(path: str | Path, model: torch.nn.Module, config: TrainConfig) -> Path:
+def load_model_weights(path: str | Path, model: torch.nn.Module, config: TrainConfig,
+                       new_key: Callable[[str], bool] = lambda key: False) -> Path:
     """Initialise `model` from the model weights of the checkpoint at `path` (see
-    `resolve_weights_dir`), verified first; keys it lacks may only be extra state and expert
-    biases."""
+    `resolve_weights_dir`), verified first; keys it lacks may only be extra state, expert
+    biases and those `new_key` names (a fine-tuning method's own, left as initialised)."""
     folder = resolve_weights_dir(path)
     require_verified(folder)
     load_common_state(folder)
-    _load_weights(folder, model, config)
+    _load_weights(folder, model, config, new_key)
     return folder

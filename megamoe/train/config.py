@@ -19,6 +19,7 @@ building the MoEConfig.
     logging:    {interval, tensorboard, wandb, ...}
     guards:     {nonfinite, spike_factor, spike_window, spike_action, max_rollbacks, debug_*}
     evaluation: {interval, batches}
+    finetune:   {method, train_data, eval_data, eval_interval, lora_rank, simoe, ...}
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ RECOMPUTE = ("none", "full", "selective")
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe")
 DECAY_STYLES = ("cosine", "linear", "constant")
 SPIKE_ACTIONS = ("stop", "rollback")
+FINETUNE_METHODS = ("none", "full", "lora", "simoe")
 
 
 @dataclass
@@ -277,6 +279,33 @@ class GuardsConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    """Instruction tuning (megamoe.instruct, megamoe.train.finetune) instead of pretraining."""
+
+    method: str = "none"
+    """`none` (pretraining on `data`), or instruction tuning: `full` (every weight of the model,
+    dense or MoE, e.g. a sparse-upcycled one), `lora` (low-rank factors on every linear of a
+    dense model) or `simoe` (sparse interpolated experts, arXiv 2506.12597). Start from a
+    dense or upcycled checkpoint with `checkpoint.init_from`."""
+    train_data: Optional[str] = None
+    """jsonl of {prompt, response} or {messages} records (megamoe.instruct.dataset); None: the
+    generated multi-domain set's seen task families (built once under `data.cache_dir`)."""
+    eval_data: list[str] = field(default_factory=list)
+    """jsonl files scored by exact match; empty: the generated set's held-out examples of the
+    seen families and its unseen families."""
+    eval_interval: int = 0
+    """Exact match every this many steps (metrics `eval/{file}/{task}`); 0: at the end only."""
+    max_new_tokens: int = 24
+    """Longest generated answer at evaluation."""
+    lora_rank: int = 8
+    """`lora`: rank r of every low-rank update."""
+    lora_alpha: float = 16.0
+    """`lora`: the update is scaled by lora_alpha / lora_rank."""
+    simoe: dict = field(default_factory=dict)
+    """`simoe`: megamoe.simoe.SIMoEConfig fields (num_experts, target_sparsity, ...)."""
+
+
+@dataclass
 class TrainConfig:
     """A whole training run."""
 
@@ -295,6 +324,7 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     guards: GuardsConfig = field(default_factory=GuardsConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -587,6 +617,7 @@ def validate(config: TrainConfig) -> None:
     _require(bool(d.prefixes) == bool(d.tokenizer_model),
              "data.prefixes and data.tokenizer_model go together: set both, or neither for the "
              "default corpus")
+    _check_finetune(config)
     for key in _MOE_REQUIRED:
         _require(key in config.moe, f"moe.{key} is missing; every MoE model needs it")
     config.moe_config()  # MoEConfig validates the MoE settings
@@ -596,6 +627,35 @@ def validate(config: TrainConfig) -> None:
         config.moe_config(layer)
     for layer in range(m.num_layers):
         config.moe_config(layer).check_expert_parallel(config.parallel.expert)
+
+
+def _check_finetune(config: TrainConfig) -> None:
+    f = config.finetune
+    _choice("finetune.method", f.method, FINETUNE_METHODS)
+    if f.method == "none":
+        return
+    _require(config.parallel.pipeline == 1,
+             f"finetune.method={f.method} runs with parallel.pipeline=1 (exact-match evaluation "
+             f"generates on one stage); got parallel.pipeline={config.parallel.pipeline}")
+    _require(f.eval_interval >= 0, f"finetune.eval_interval={f.eval_interval} must be >= 0")
+    _require(f.max_new_tokens >= 1, f"finetune.max_new_tokens={f.max_new_tokens} must be >= 1")
+    if f.method in ("lora", "simoe"):
+        _require(config.model.first_k_dense == config.model.num_layers,
+                 f"finetune.method={f.method} adapts a dense model: set model.first_k_dense="
+                 f"{config.model.num_layers} (model.num_layers)")
+        _require(config.parallel.tensor == 1,
+                 f"finetune.method={f.method} trains at parallel.tensor=1: with tensor "
+                 "parallelism the trainer turns on sequence parallelism, which it does not "
+                 f"support yet; got parallel.tensor={config.parallel.tensor}")
+    if f.method == "lora":
+        _require(f.lora_rank >= 1, f"finetune.lora_rank={f.lora_rank} must be >= 1")
+    if f.method == "simoe":
+        from megamoe.simoe.config import SIMoEConfig
+
+        known = {field.name for field in dataclasses.fields(SIMoEConfig)}
+        unknown = sorted(set(f.simoe) - known)
+        _require(not unknown, f"finetune.simoe has unknown keys {unknown}; known: {sorted(known)}")
+        SIMoEConfig(**f.simoe)
 
 
 def _check_ranges(config: TrainConfig) -> None:

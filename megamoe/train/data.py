@@ -21,7 +21,7 @@ import contextlib
 import importlib.util
 import os
 import re
-from typing import Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -198,9 +198,11 @@ def iterate_batches(
     dp_size: int = 1,
     start_sample: int = 0,
     num_workers: int = 0,
+    collate: Callable[[list[dict]], Any] = _collate,
 ) -> Iterator[Batch]:
-    """Yield this data-parallel rank's micro batches of `dataset`, starting at global sample
-    `start_sample`, until fewer than `micro_batch_size * dp_size` samples remain.
+    """Yield this data-parallel rank's micro batches of `dataset` (samples put together by
+    `collate`), starting at global sample `start_sample`, until fewer than
+    `micro_batch_size * dp_size` samples remain.
 
     Every rank yields the same number of batches; `num_workers` loader processes prefetch them.
     """
@@ -215,7 +217,10 @@ def iterate_batches(
             "build the dataset with enough train samples for the resumed run"
         )
     indices = _rank_sample_indices(len(dataset), micro_batch_size, dp_rank, dp_size, start_sample)
+    # A DataLoader draws its workers' base seed from the generator it is given (else the
+    # default one, which would shift every later draw of a resumed run: dropout, SIMoE's masks).
     loader = DataLoader(
-        dataset, batch_sampler=indices, num_workers=num_workers, collate_fn=_collate
+        dataset, batch_sampler=indices, num_workers=num_workers, collate_fn=collate,
+        generator=torch.Generator().manual_seed(start_sample),
     )
     return iter(loader)

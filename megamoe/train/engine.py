@@ -65,6 +65,7 @@ class Engine:
                  config: TrainConfig, on_cuda: bool) -> None:
         self.config = config
         self.on_cuda = on_cuda
+        self.routes_prompt = config.finetune.method == "simoe"
         fix_torch_adam_checkpoints()
         # Megatron's local attention builds its default causal mask on CUDA: pass one on CPU.
         self.mask = None if on_cuda else causal_attention_mask(config.model.seq_length)
@@ -102,8 +103,11 @@ class Engine:
     def _forward_step(self, data_iterator: Iterator[Batch], model: torch.nn.Module):
         batch = next(data_iterator)
         if self.on_cuda:
-            batch = Batch(*(t.cuda(non_blocking=True) for t in batch))
-        losses_BS = model(batch.tokens, batch.position_ids, self.mask, labels=batch.labels)
+            batch = type(batch)(*(t.cuda(non_blocking=True) for t in batch))
+        # SIMoE's router reads the prompt of the instruction batch.
+        prompt = {"prompt_mask": batch.prompt_mask} if self.routes_prompt else {}
+        losses_BS = model(batch.tokens, batch.position_ids, self.mask, labels=batch.labels,
+                          **prompt)
         return losses_BS, partial(_lm_loss, batch.loss_mask)
 
     def forward_backward(self, batches: Iterator[Batch], num_microbatches: int) -> torch.Tensor:

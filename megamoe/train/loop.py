@@ -23,7 +23,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from megamoe.balancing import step_balancing
 from megamoe.errors import ConfigError
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 from megamoe.parallel.comm import TorchComm
+from megamoe.train import finetune
 from megamoe.train.checkpoint import (load_checkpoint, load_model_weights, resume_checkpoint,
                                       save_checkpoint)
 from megamoe.train.config import TrainConfig, dump_config
@@ -124,6 +125,8 @@ class _Run:
     pgs: ProcessGroupCollection
     device: torch.device
     logger: MetricsLogger
+    evaluation: Optional[finetune.ExactMatchEvaluation]
+    """Instruction tuning's exact-match evaluation (None when pretraining)."""
 
 
 def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
@@ -141,7 +144,15 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
     prefixes, tokenizer_model = data_sources(config)
     tokenizer = SentencePieceTokenizer(tokenizer_model)
     tc = transformer_config(config, on_cuda, bf16)
-    chunks = build_model(config, tc, tokenizer.vocab_size)
+    device = torch.device("cuda" if on_cuda else "cpu")
+    evaluation = instructions = None
+    if finetune.enabled(config):
+        train_data, eval_data = finetune.data_paths(config)
+        instructions = finetune.InstructionBatches(config, train_data, tokenizer, dp_rank, dp_size)
+        evaluation = finetune.ExactMatchEvaluation(config, eval_data, tokenizer, device)
+        chunks = finetune.build_finetune_model(config, tc, tokenizer.vocab_size)
+    else:
+        chunks = build_model(config, tc, tokenizer.vocab_size)
     engine = Engine(chunks, tc, config, on_cuda)
     # One module for the loop's per-model helpers (balancing, guards, checkpoints).
     model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
@@ -153,7 +164,9 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
         origin = (f"{resume_from} (step {state.iteration}, {state.consumed_samples} samples "
                   "consumed)")
     elif config.checkpoint.init_from:
-        origin = f"the weights of {load_model_weights(config.checkpoint.init_from, model, config)}"
+        loaded = load_model_weights(config.checkpoint.init_from, model, config,
+                                    new_key=lambda key: finetune.is_method_state(config, key))
+        origin = f"the weights of {loaded}"
         engine.model_weights_changed()
     if rank == 0:
         out = Path(config.output_dir)
@@ -166,14 +179,16 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
         f"({'CUDA, ' + ('bf16' if bf16 else 'fp32') if on_cuda else 'CPU, fp32'}; data "
         f"{dp_size} x expert {p.expert} x tensor {p.tensor} x pipeline {p.pipeline}"
         f"{f' x {p.virtual_stages} virtual' if p.virtual_stages > 1 else ''}), "
-        f"{sum(t.numel() for t in model.parameters()):,} parameters on rank 0, starting from "
-        f"{origin}; output in {config.output_dir}")
+        f"{finetune.trainable_summary(model)} on rank 0, starting from {origin}; output in "
+        f"{config.output_dir}")
+
     def batches_from(start_sample: int) -> Iterator:
+        if instructions is not None:
+            return instructions(start_sample)
         return training_batches(config, prefixes, tokenizer, dp_rank, dp_size, start_sample)
 
     return _Run(config, model, engine, state, batches_from(state.consumed_samples),
-                batches_from, num_microbatches, pgs, torch.device("cuda" if on_cuda else "cpu"),
-                logger)
+                batches_from, num_microbatches, pgs, device, logger, evaluation)
 
 
 def _train(run: _Run, stop: StopRequest) -> None:
@@ -226,12 +241,15 @@ def _train(run: _Run, stop: StopRequest) -> None:
         spikes.accept(step, loss)
         moe_metrics = step_balancing(run.model, replica_comm)
         engine.step(grad_norm)
+        moe_metrics.update(finetune.after_step(run.model))
         state = TrainState(step, state.consumed_samples + batch_size)
         if config.parallel.pipeline > 1:
             moe_metrics = _gather_pipeline_metrics(moe_metrics, run.pgs.pp)
         elapsed = time.perf_counter() - start
         if heldout is not None and heldout.due(step):
             moe_metrics["heldout_loss"] = heldout(run.model)
+        if run.evaluation is not None and run.evaluation.due(step):
+            moe_metrics.update(run.evaluation(run.model))
         logger.log(step, {"loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                           "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
                           "consumed_samples": state.consumed_samples, **moe_metrics})

@@ -64,6 +64,22 @@ def test_overrides_reach_nested_keys_and_parse_as_yaml():
      "model.hidden_size=130 is not divisible by model.num_attention_heads=4"),
     ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "training": {"micro_batch_size": True}},
      "training.micro_batch_size=True is not a valid int"),
+    ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "finetune": {"method": "qlora"}},
+     "finetune.method='qlora' is not one of"),
+    ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "finetune": {"method": "simoe"}},
+     "finetune.method=simoe adapts a dense model: set model.first_k_dense=4"),
+    ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "model": {"first_k_dense": 4},
+      "finetune": {"method": "simoe", "simoe": {"experts": 4}}},
+     "finetune.simoe has unknown keys ['experts']"),
+    ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "model": {"first_k_dense": 4},
+      "finetune": {"method": "simoe", "simoe": {"target_sparsity": 1.5}}},
+     "simoe.target_sparsity=1.5 must be in [0, 1)"),
+    ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "model": {"first_k_dense": 4},
+      "parallel": {"tensor": 2}, "finetune": {"method": "lora"}},
+     "finetune.method=lora trains at parallel.tensor=1"),
+    ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "parallel": {"pipeline": 2},
+      "finetune": {"method": "full"}},
+     "finetune.method=full runs with parallel.pipeline=1"),
 ])
 def test_invalid_configs_name_the_value(raw, message):
     with pytest.raises(ConfigError) as err:

@@ -1,0 +1,98 @@
+"""A Megatron-Core GPT whose linears and norms are SIMoE-interpolated, with its prompt router.
+
+`SIMoEGPTModel` is a `GPTModel` (so Megatron's DDP, optimizer, schedules and torch_dist
+checkpoints see the model they know, under the same parameter names as the dense seed) built on
+Megatron's local layer spec with every QKV, attention-output, fc1 and fc2 linear and every norm
+(the final one included) replaced by its interpolated form (`megamoe.simoe.interpolated`).
+Embeddings and the output layer stay frozen seed weights. Before each forward the prompt router
+sets the per-sequence merging coefficients (SIMoE, arXiv 2506.12597). In training, the mask
+regulariser (`penalties.MaskRegularizer`: sparsity Lagrangian + overlap) joins the loss through
+Megatron's `MoEAuxLossAutoScaler`, as Megatron's own auxiliary losses do, so each optimizer step
+counts it once whatever the number of micro-batches; `simoe_regularizer.step()` is the dual step
+after each optimizer step.
+
+Sequence parallelism is refused: the router pools the whole prompt, and the replicated gates would
+need the layernorm-style gradient all-reduce Megatron gives only to norm weights.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from megamoe.errors import ConfigError
+from megamoe.megatron.linear_specs import local_block_spec_with
+from megamoe.simoe.config import SIMoEConfig
+from megamoe.simoe.interpolated import (
+    InterpolatedColumnParallelLinear,
+    InterpolatedNorm,
+    InterpolatedRowParallelLinear,
+)
+from megamoe.simoe.merge import MergeState, PromptRouter
+from megamoe.simoe.penalties import MaskRegularizer
+
+TRAINABLE_SUFFIXES = ("delta_weight", "mask_logits")
+OWN_PREFIXES = ("simoe_router.", "simoe_regularizer.")
+
+
+def is_simoe_state(name: str) -> bool:
+    """Whether a state-dict entry is SIMoE's own (not in the dense seed's checkpoint)."""
+    return name.endswith(TRAINABLE_SUFFIXES) or name.startswith(OWN_PREFIXES)
+
+
+def simoe_block_spec(config: TransformerConfig, merge: MergeState, simoe: SIMoEConfig
+                     ) -> TransformerBlockSubmodules:
+    """Megatron's local GPT layer spec, every linear and norm interpolated, for all layers."""
+    params = {"merge": merge, "simoe": simoe}
+    return local_block_spec_with(
+        config,
+        column=ModuleSpec(module=InterpolatedColumnParallelLinear, params=params),
+        row=ModuleSpec(module=InterpolatedRowParallelLinear, params=params),
+        norm=ModuleSpec(module=InterpolatedNorm, params=params))
+
+
+class SIMoEGPTModel(GPTModel):
+    """GPTModel + SIMoE: `forward(..., prompt_mask=[B, S] bool)` routes the prompt first."""
+
+    def __init__(self, config: TransformerConfig, simoe: SIMoEConfig, vocab_size: int,
+                 max_sequence_length: int, **gpt_kwargs) -> None:
+        if config.sequence_parallel:
+            raise ConfigError("SIMoE does not support sequence_parallel=True: set it to false "
+                              "(tensor parallelism without it is supported)")
+        merge = MergeState()
+        super().__init__(config=config,
+                         transformer_layer_spec=simoe_block_spec(config, merge, simoe),
+                         vocab_size=vocab_size, max_sequence_length=max_sequence_length,
+                         **gpt_kwargs)
+        self.merge = merge
+        if self.pre_process:
+            self.simoe_router = PromptRouter(config.hidden_size, simoe.num_experts,
+                                             config.init_method_std)
+        for name, param in self.named_parameters():
+            param.requires_grad_(is_simoe_state(name))
+        self.simoe_regularizer = MaskRegularizer(self, simoe)
+
+    def route(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+        """a_BM from the prompt tokens' input embeddings (what the router reads)."""
+        embeddings_BSH = self.embedding.word_embeddings(input_ids)
+        return self.simoe_router(embeddings_BSH, prompt_mask)
+
+    def forward(self, input_ids, position_ids, attention_mask, *args,
+                prompt_mask: Optional[torch.Tensor] = None,
+                coefficients: Optional[torch.Tensor] = None, **kwargs):
+        """As GPTModel.forward; the merge uses `coefficients` [B, M] if given, else the router's
+        reading of `prompt_mask` (True on prompt tokens)."""
+        if coefficients is None:
+            if prompt_mask is None:
+                raise ValueError("SIMoEGPTModel.forward needs prompt_mask (or coefficients)")
+            coefficients = self.route(input_ids, prompt_mask)
+        self.merge.coefficients_BM = coefficients
+        output = super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        if self.training and torch.is_grad_enabled():
+            output = MoEAuxLossAutoScaler.apply(output, self.simoe_regularizer()[0])
+        return output

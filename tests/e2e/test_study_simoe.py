@@ -1,0 +1,39 @@
+"""tools/study_simoe.py --quick: the whole SIMoE study pipeline (dense pretraining, full / LoRA /
+sparse-upcycled / SIMoE instruction tuning through `python -m megamoe.train`, exact-match
+evaluation, mask inspection, table and plots) on a few steps; parameter counts against the
+architecture's own arithmetic."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_quick_study_runs_every_method_and_counts_parameters(corpus_cache, tmp_path):
+    out = tmp_path / "study"
+    done = subprocess.run([sys.executable, "tools/study_simoe.py", "--quick", "--out", str(out),
+                           "--cache-dir", str(corpus_cache)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "study.json").read_text())
+    assert {p.name for p in out.iterdir()} >= {"study.md", "study.json", "mask_density.png",
+                                               "mask_overlap.png", "router_coefficients.png"}
+    rows = result["rows"]
+    assert set(rows) == {"full", "lora", "sparse_upcycling", "simoe"}
+    # configs/simoe_instruct.yaml: 4 layers, hidden 128, FFN 384 (SwiGLU), 8 SIMoE experts.
+    h, f, layers, m = 128, 384, 4, 8
+    linears = [(3 * h, h), (h, h), (2 * f, h), (h, f)]  # qkv, proj, fc1, fc2 as [out, in]
+    delta = layers * (sum(o * i for o, i in linears) + 2 * h) + h
+    masks = m * (layers * (sum(i for _, i in linears) + 2 * h) + h)
+    assert result["masks"]["delta_parameters"] == delta
+    assert rows["simoe"]["trainable"] == delta + masks + m * h  # + the router
+    rank = result["lora_rank"]
+    assert rank == round(delta / (layers * sum(o + i for o, i in linears)))
+    assert rows["lora"]["trainable"] == rank * layers * sum(o + i for o, i in linears)
+    assert rows["full"]["trainable"] == rows["full"]["stored"] == rows["simoe"]["active"]
+    experts = layers * 4 * 3 * h * f
+    assert rows["sparse_upcycling"]["active"] == rows["sparse_upcycling"]["stored"] - experts // 2
+    assert len(result["claims"]) == 5
+    assert all(line in done.stdout for line in
+               (("HELD: " if c["held"] else "NOT HELD: ") + c["claim"] for c in result["claims"]))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+from pathlib import Path
 
 from megamoe.errors import ConfigError, run_cli
 from megamoe.upcycle import UpcycleRecipe, parse_moe_layers, upcycle_checkpoint
@@ -63,8 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(description=__doc__.split("\n\n")[0], prog="upcycle_ckpt.py")
     p.add_argument("--load", required=True, help="dense checkpoint (root, iter_* or rank dir)")
     p.add_argument("--save", required=True, help="output directory (Megatron-LM layout)")
-    p.add_argument("--num-experts", type=int, required=True, help="routed experts E")
-    p.add_argument("--topk", type=int, required=True, help="experts per token K")
+    p.add_argument("--num-experts", type=int, help="routed experts E (required unless --dense)")
+    p.add_argument("--topk", type=int, help="experts per token K (required unless --dense)")
+    p.add_argument("--dense", action="store_true",
+                   help="Hugging Face input only: convert to a dense Megatron-Core checkpoint "
+                        "(no experts), e.g. to continue dense pretraining first")
     p.add_argument("--granularity", type=int, default=1,
                    help="G: experts are 1/G of the dense MLP (granular upcycling); 1 = copies")
     p.add_argument("--router-init", choices=ROUTER_INITS, default="virtual_group")
@@ -99,6 +103,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.dense:
+        from megamoe.interop.hf_dense import convert_hf_dense
+        from megamoe.interop.hf_source import is_hf_directory
+
+        if not is_hf_directory(Path(args.load)):
+            raise ConfigError(f"--dense converts Hugging Face models; {args.load} has no "
+                              "config.json")
+        diff = convert_hf_dense(args.load, args.save, overwrite=args.overwrite,
+                                verify=args.verify)
+        print(f"dense checkpoint: {args.save}")
+        if diff is not None:
+            print(f"max |logit diff| Hugging Face vs dense: {diff:.3e}")
+        return 0
+    if args.num_experts is None or args.topk is None:
+        raise ConfigError("--num-experts and --topk are required (or --dense for a dense "
+                          "conversion of a Hugging Face model)")
     recipe = UpcycleRecipe(
         num_experts=args.num_experts, topk=args.topk, granularity=args.granularity,
         router_init=args.router_init, router_init_std=args.router_init_std,

@@ -17,7 +17,7 @@ import argparse
 import ast
 from pathlib import Path
 
-from megamoe.errors import ConfigError, run_cli
+from megamoe.errors import CliArgumentParser, ConfigError, run_cli
 from megamoe.upcycle import UpcycleRecipe, parse_moe_layers, upcycle_checkpoint
 from megamoe.upcycle.recipe import (ACTIVATIONS, KEY_LAYOUTS, ROUTER_INITS, SCORE_FUNCTIONS,
                                     TARGET_SPECS, WEIGHT_SCALINGS)
@@ -29,13 +29,6 @@ MEGATRON_LM_FLAGS = {"num_moe_experts": "--num-experts", "moe_router_topk": "--m
                      "moe_router_pre_softmax": "--moe-router-pre-softmax",
                      "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
                      "moe_shared_expert_gate": "--moe-shared-expert-gate"}
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one-line ConfigErrors (exit code 2 through run_cli)."""
-
-    def error(self, message: str):
-        raise ConfigError(f"{message} (see --help)")
 
 
 def _arch_override(text: str) -> tuple[str, object]:
@@ -61,7 +54,7 @@ def megatron_lm_flags(settings: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split("\n\n")[0], prog="upcycle_ckpt.py")
+    p = CliArgumentParser(description=__doc__.split("\n\n")[0], prog="upcycle_ckpt.py")
     p.add_argument("--load", required=True, help="dense checkpoint (root, iter_* or rank dir)")
     p.add_argument("--save", required=True, help="output directory (Megatron-LM layout)")
     p.add_argument("--num-experts", type=int, help="routed experts E (required unless --dense)")

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from megamoe.atomic import atomic_directory
+from megamoe.interop.logits import require_within
 from megamoe.checkpointing.manifest import write_manifest
-from megamoe.errors import CheckpointError
 from megamoe.interop.hf_source import HFSource
 from megamoe.upcycle.convert import CHECKPOINT_SUBDIR, VERIFY_TOLERANCE
 from megamoe.upcycle.dcp_writer import StreamingCheckpointWriter
@@ -117,7 +117,5 @@ def _verify(source: HFSource, checkpoint_dir: Path, log: Callable[[str], None]) 
             teardown_megatron()
     log(f"verify: max |logit diff| Hugging Face vs Megatron-Core dense = {diff:.3e} "
         f"(bar {VERIFY_TOLERANCE:.0e})")
-    if not diff <= VERIFY_TOLERANCE:
-        raise CheckpointError(f"verification failed: max |logit diff| {diff:.3e} exceeds "
-                              f"{VERIFY_TOLERANCE:.0e}; no output was written")
+    require_within(diff, VERIFY_TOLERANCE, "logit")
     return diff

@@ -1,6 +1,7 @@
 """The one exception type a user can cause, and the CLI wrapper that turns it into exit code 2."""
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Callable
 
@@ -32,3 +33,10 @@ def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | No
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     sys.exit(code or 0)
+
+
+class CliArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one-line ConfigErrors (exit code 2 through `run_cli`)."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (see --help)")

@@ -22,19 +22,12 @@ import warnings
 # concern here, and it would bury the one-line error of bad input.
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
-from megamoe.errors import ConfigError, run_cli  # noqa: E402
+from megamoe.errors import CliArgumentParser, ConfigError, run_cli  # noqa: E402
 from megamoe.interop.hf_export import ARCHS, export_hf  # noqa: E402
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one-line ConfigErrors (exit code 2 through run_cli)."""
-
-    def error(self, message: str):
-        raise ConfigError(f"{message} (see --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split("\n\n")[0], prog="export_hf.py")
+    p = CliArgumentParser(description=__doc__.split("\n\n")[0], prog="export_hf.py")
     p.add_argument("--load", required=True, help="megamoe MoE checkpoint")
     p.add_argument("--save", required=True, help="output Hugging Face model directory")
     p.add_argument("--arch", choices=ARCHS, default=None, help="target architecture")

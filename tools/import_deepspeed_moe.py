@@ -11,21 +11,12 @@ one line on stderr, exit code 2, no output left behind. See megamoe/interop/deep
 """
 from __future__ import annotations
 
-import argparse
-
-from megamoe.errors import ConfigError, run_cli
+from megamoe.errors import CliArgumentParser, run_cli
 from megamoe.interop.deepspeed_import import ACTIVATIONS, import_deepspeed
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one-line ConfigErrors (exit code 2 through run_cli)."""
-
-    def error(self, message: str):
-        raise ConfigError(f"{message} (see --help)")
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(description=__doc__.split("\n\n")[0], prog="import_deepspeed_moe.py")
+    p = CliArgumentParser(description=__doc__.split("\n\n")[0], prog="import_deepspeed_moe.py")
     p.add_argument("--load", required=True, help="DeepSpeed checkpoint directory")
     p.add_argument("--save", required=True, help="output directory (Megatron-LM layout)")
     p.add_argument("--topk", type=int, required=True, help="experts per token of the model")

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+from pathlib import Path
 
-from megamoe.errors import ConfigError, run_cli
+from megamoe.errors import CliArgumentParser, ConfigError, run_cli
 from megamoe.upcycle import UpcycleRecipe, parse_moe_layers, upcycle_checkpoint
 from megamoe.upcycle.recipe import (ACTIVATIONS, KEY_LAYOUTS, ROUTER_INITS, SCORE_FUNCTIONS,
                                     TARGET_SPECS, WEIGHT_SCALINGS)
@@ -28,13 +29,6 @@ MEGATRON_LM_FLAGS = {"num_moe_experts": "--num-experts", "moe_router_topk": "--m
                      "moe_router_pre_softmax": "--moe-router-pre-softmax",
                      "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
                      "moe_shared_expert_gate": "--moe-shared-expert-gate"}
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one-line ConfigErrors (exit code 2 through run_cli)."""
-
-    def error(self, message: str):
-        raise ConfigError(f"{message} (see --help)")
 
 
 def _arch_override(text: str) -> tuple[str, object]:
@@ -60,11 +54,14 @@ def megatron_lm_flags(settings: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split("\n\n")[0], prog="upcycle_ckpt.py")
+    p = CliArgumentParser(description=__doc__.split("\n\n")[0], prog="upcycle_ckpt.py")
     p.add_argument("--load", required=True, help="dense checkpoint (root, iter_* or rank dir)")
     p.add_argument("--save", required=True, help="output directory (Megatron-LM layout)")
-    p.add_argument("--num-experts", type=int, required=True, help="routed experts E")
-    p.add_argument("--topk", type=int, required=True, help="experts per token K")
+    p.add_argument("--num-experts", type=int, help="routed experts E (required unless --dense)")
+    p.add_argument("--topk", type=int, help="experts per token K (required unless --dense)")
+    p.add_argument("--dense", action="store_true",
+                   help="Hugging Face input only: convert to a dense Megatron-Core checkpoint "
+                        "(no experts), e.g. to continue dense pretraining first")
     p.add_argument("--granularity", type=int, default=1,
                    help="G: experts are 1/G of the dense MLP (granular upcycling); 1 = copies")
     p.add_argument("--router-init", choices=ROUTER_INITS, default="virtual_group")
@@ -99,6 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.dense:
+        from megamoe.interop.hf_dense import convert_hf_dense
+        from megamoe.interop.hf_source import is_hf_directory
+
+        if not is_hf_directory(Path(args.load)):
+            raise ConfigError(f"--dense converts Hugging Face models; {args.load} has no "
+                              "config.json")
+        diff = convert_hf_dense(args.load, args.save, overwrite=args.overwrite,
+                                verify=args.verify)
+        print(f"dense checkpoint: {args.save}")
+        if diff is not None:
+            print(f"max |logit diff| Hugging Face vs dense: {diff:.3e}")
+        return 0
+    if args.num_experts is None or args.topk is None:
+        raise ConfigError("--num-experts and --topk are required (or --dense for a dense "
+                          "conversion of a Hugging Face model)")
     recipe = UpcycleRecipe(
         num_experts=args.num_experts, topk=args.topk, granularity=args.granularity,
         router_init=args.router_init, router_init_std=args.router_init_std,

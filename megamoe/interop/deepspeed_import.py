@@ -19,8 +19,9 @@ from typing import Callable, Optional
 import torch
 
 from megamoe.atomic import atomic_directory
+from megamoe.interop.logits import require_within
 from megamoe.checkpointing.manifest import write_manifest
-from megamoe.errors import CheckpointError, ConfigError
+from megamoe.errors import ConfigError
 from megamoe.interop.deepspeed_moe import FC1, FC2, DeepSpeedSource
 from megamoe.upcycle.convert import CHECKPOINT_SUBDIR
 from megamoe.upcycle.dcp_writer import StreamingCheckpointWriter
@@ -123,7 +124,5 @@ def _verify(source: DeepSpeedSource, checkpoint_dir: Path, topk: int, activation
         worst = max(worst, diff)
     log(f"verify: max |output diff| megamoe vs deepspeed.moe.layer.MoE = {worst:.3e} over "
         f"{len(source.moe_layers)} MoE layer(s) (bar {VERIFY_TOLERANCE:.0e})")
-    if not worst <= VERIFY_TOLERANCE:
-        raise CheckpointError(f"verification failed: {worst:.3e} exceeds {VERIFY_TOLERANCE:.0e}; "
-                              "no output was written")
+    require_within(worst, VERIFY_TOLERANCE, "output")
     return worst

@@ -33,6 +33,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from megamoe.atomic import atomic_directory
+from megamoe.interop.logits import require_within
 from megamoe.errors import CheckpointError, ConfigError
 from megamoe.interop.hf_arch import HFArch
 from megamoe.interop.hf_source import TOKENIZER_FILES, split_qkv
@@ -326,7 +327,5 @@ def _verify(out: Path, folder: Path, sections: dict, log: Callable[[str], None])
     diff = float((reference - ours).abs().max())
     log(f"verify: max |logit diff| megamoe vs transformers = {diff:.3e} (bar "
         f"{VERIFY_TOLERANCE:.0e}); generate ran")
-    if not diff <= VERIFY_TOLERANCE:
-        raise CheckpointError(f"verification failed: max |logit diff| {diff:.3e} exceeds "
-                              f"{VERIFY_TOLERANCE:.0e}; no output was written")
+    require_within(diff, VERIFY_TOLERANCE, "logit")
     return diff

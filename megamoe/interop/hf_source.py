@@ -20,6 +20,7 @@ that Megatron-Core's non-interleaved RoPE applies.
 """
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Iterator
 
@@ -43,6 +44,11 @@ DIRECT = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight
           "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
           "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
           "mlp.down_proj.weight": "mlp.linear_fc2.weight"}
+# Megatron's linear layers save an `_extra_state` object (None without Transformer Engine) that
+# its loader asks for; written as such, so Megatron-Core and Megatron-LM load the output.
+LINEAR_EXTRA_STATE = ("self_attention.linear_qkv._extra_state",
+                      "self_attention.linear_proj._extra_state", "mlp.linear_fc1._extra_state",
+                      "mlp.linear_fc2._extra_state")
 UNSUPPORTED = ("mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias",
                "self_attn.o_proj.bias")
 
@@ -63,6 +69,14 @@ def split_qkv(qkv: torch.Tensor, arch: HFArch) -> tuple[torch.Tensor, torch.Tens
     grouped = qkv.reshape(groups, per_group + 2 * d, *tail)
     q, k, v = grouped.split([per_group, d, d], dim=1)
     return tuple(t.reshape(-1, *tail).contiguous() for t in (q, k, v))
+
+
+def _none_bytes() -> bytes:
+    """`None` serialized as Megatron's torch_dist strategy stores a sharded object (a list of
+    the shards' data, `strategies/torch.py` `_mcore_to_torch_sharded_object`)."""
+    buffer = io.BytesIO()
+    torch.save([None], buffer)
+    return buffer.getvalue()
 
 
 def is_hf_directory(path: Path) -> bool:
@@ -122,7 +136,7 @@ class HFSource:
                 read("self_attn.v_proj.bias"), groups)
         tensors["mlp.linear_fc1.weight"] = torch.cat([read("mlp.gate_proj.weight"),
                                                       read("mlp.up_proj.weight")])
-        return DenseLayer(tensors)
+        return DenseLayer(tensors, {key: _none_bytes() for key in LINEAR_EXTRA_STATE})
 
     def non_layer_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for hf, mg in NON_LAYER.items():

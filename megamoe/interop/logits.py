@@ -72,3 +72,13 @@ def hf_vs_megamoe(hf_dir: Path, checkpoint_dir: Path, sections: dict) -> float:
     del hf
     ours = megamoe_logits(checkpoint_dir, {**sections, "vocab_size": reference.shape[-1]}, tokens)
     return float((reference - ours[..., :reference.shape[-1]]).abs().max())
+
+
+def require_within(diff: float, tolerance: float, what: str) -> None:
+    """Fail a `--verify` whose max |difference| exceeds the bar (the caller's atomic output
+    directory is then removed)."""
+    from megamoe.errors import CheckpointError
+
+    if not diff <= tolerance:
+        raise CheckpointError(f"verification failed: max |{what} diff| {diff:.3e} exceeds "
+                              f"{tolerance:.0e}; no output was written")

@@ -15,7 +15,8 @@ from megamoe.errors import ConfigError
 from megamoe.upcycle.source import DenseSource
 
 GPT_FIELDS = ("vocab_size", "max_sequence_length", "position_embedding_type", "rotary_base",
-              "rotary_percent", "share_embeddings_and_output_weights")
+              "rotary_percent", "share_embeddings_and_output_weights", "rope_scaling",
+              "rope_scaling_factor")
 
 
 @dataclass
@@ -67,6 +68,8 @@ def dense_arch(source: DenseSource, record: dict, overrides: dict[str, Any]) -> 
         position_embedding_type="learned_absolute" if learned else "rope",
         rotary_base=getattr(args, "rotary_base", 10000),
         rotary_percent=getattr(args, "rotary_percent", 1.0),
+        rope_scaling=getattr(args, "use_rope_scaling", False),
+        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
         share_embeddings_and_output_weights="output_layer.weight" not in shapes,
     )
     for name, value in overrides.items():

@@ -68,6 +68,18 @@ def test_export_matches_megamoe_logits(arch, target, tmp_path):
     assert set(index["weight_map"].values()) == set(exported.shards)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_dense_conversion_then_megatron_upcycle(arch, tmp_path):
+    """HF -> dense Megatron-Core checkpoint (verified against transformers), which the Megatron
+    path then upcycles with its own --verify (Megatron-Core dense vs MoE, args from the
+    conversion)."""
+    from megamoe.interop.hf_dense import convert_hf_dense
+
+    hf = save_tiny_hf_model(arch, tmp_path / "hf")
+    assert convert_hf_dense(hf, tmp_path / "dense", verify=True, log=lambda line: None) <= BAR
+    assert _upcycle(tmp_path / "dense", tmp_path / "moe").max_logit_diff <= BAR
+
+
 def test_qkv_interleave_is_megatrons_grouped_layout():
     """Megatron splits fused QKV rows per key/value group: [q heads of g, k of g, v of g]."""
     arch = HFArch("llama", 1, 8, 4, 2, 2, 8, 10, 1e4, None, 1e-5, False, False, False, 8)

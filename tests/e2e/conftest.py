@@ -28,13 +28,3 @@ def cluster(tmp_path_factory):
     running = local_cluster.start_cluster(tmp_path_factory.mktemp("slurm"), timeout=60)
     yield running
     running.teardown()
-
-
-@pytest.fixture(scope="session")
-def corpus_cache(tmp_path_factory) -> Path:
-    """The default corpus and its tokenizer, built once for every run of this session."""
-    from megamoe.train.corpus import ensure_default_dataset
-
-    cache = tmp_path_factory.mktemp("megamoe-cache")
-    ensure_default_dataset(cache, progress=False)
-    return cache

@@ -10,17 +10,22 @@
 #      + 20 (exact resume, optimizer state included).
 #     bash tools/gpu_check.sh OUT_DIR            (about 8 minutes at most; every step is bounded)
 # Ends with a SUMMARY block, one `PASS|FAIL|SKIP <check>: <figures>` line per check; exit code 0
-# if nothing failed, 1 if a check failed, 77 (skipped) without a CUDA device. Logs, JSON figures
+# if nothing failed, 1 if a check failed, 77 (skipped) without a CUDA device, 2 if torch,
+# megatron.core or megamoe does not import. Logs, JSON figures
 # and the runs' metrics.jsonl land in OUT_DIR.
 set -uo pipefail
 out=${1:?usage: bash tools/gpu_check.sh OUT_DIR}
-cd "$(dirname "$0")/.."
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
+cd "$(dirname "$0")/.." || exit 2
 export PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1 WANDB_MODE=offline
 summary="$out/summary.txt"
 : > "$summary"
 record() { echo "$*" | tee -a "$summary"; }
 
+if ! timeout 120 python3 -c "import torch, megatron.core, megamoe" 2> "$out/import.log"; then
+    echo "gpu_check: FAIL: torch, megatron.core or megamoe does not import: $(tail -1 "$out/import.log")"
+    exit 2
+fi
 if ! timeout 60 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_check: SKIP: no CUDA device visible (torch.cuda.is_available() is False); nothing was run"
     exit 77

@@ -175,9 +175,10 @@ def test_layout_trains_as_one_process(everything, name):
 
 
 def test_expert_biases_moved(everything):
-    """The loss-free bias is live in these runs (so equal biases mean something)."""
+    """The loss-free bias is live in these runs (so equal biases mean something); a layer's
+    +-rate steps may cancel out over 4 steps, so some layer, not every one, has moved."""
     biases = everything[3][0]["reference_bias"]
-    assert biases and all(float(b.abs().max()) > 0 for b in biases.values())
+    assert len(biases) == 3 and any(float(b.abs().max()) > 0 for b in biases.values())
 
 
 FIRST = lw.RESUME_AT + 1

@@ -117,8 +117,11 @@ def _snapshot(run) -> dict:
 
     model = {k: v.detach().clone() for k, v in run.model.state_dict().items()
              if isinstance(v, torch.Tensor)}
-    optimizer = {f"{pid}.{key}": (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                 for pid, state in run.engine.optimizer.state_dict()["state"].items()
+    # Megatron's (chained) distributed optimizer: the Adam state of each inner torch optimizer.
+    chained = getattr(run.engine.optimizer, "chained_optimizers", [run.engine.optimizer])
+    optimizer = {f"{i}.{pid}.{key}": (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                 for i, megatron_optimizer in enumerate(chained)
+                 for pid, state in megatron_optimizer.optimizer.state_dict()["state"].items()
                  for key, v in state.items()}
     return {"model": model, "optimizer": optimizer}
 

@@ -191,7 +191,7 @@ def test_torch_norm_under_sequence_parallelism_marks_its_weights(megatron):
     over the tensor-parallel group; the CPU torch norm does the same instead of refusing."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    config = tiny_transformer_config(sequence_parallel=True, tensor_model_parallel_size=1)
+    config = tiny_transformer_config(sequence_parallel=True, tensor_model_parallel_size=2)
     norm = WrappedTorchNorm(config, 64)
     plain = WrappedTorchNorm(tiny_transformer_config(), 64)
     assert isinstance(norm, torch.nn.LayerNorm)

@@ -331,9 +331,12 @@ def main(argv=None) -> int:
             return 1
         rows = {n: summarise(r) for n, r in all_records.items()}
         results = claims(rows)
-        steps = len(next(iter(all_records.values())))
+        steps = max(r["step"] for records in all_records.values() for r in records)
+        training_s = sum(sum(series(records, "step_time_s")) for records in all_records.values())
         settings = (f"{'QUICK (pipeline check only) ' if args.quick else ''}{len(names)} "
-                    f"variants x {steps} steps, {time.perf_counter() - started:.0f} s in all; "
+                    f"variants x {steps} steps, {training_s:.0f} s of training steps in all "
+                    f"(this invocation {time.perf_counter() - started:.0f} s, finished runs "
+                    "reused); "
                     f"base config `base.yaml` (same seed and data order for every variant), "
                     f"per-variant overrides in `study.json`."
                     + (f" FAILED variants (not in the table): {', '.join(failed)}." if failed

@@ -605,6 +605,10 @@ def validate(config: TrainConfig) -> None:
              f"evaluation.interval={config.evaluation.interval} must be >= 0 (0: never)")
     _require(config.evaluation.batches >= 1,
              f"evaluation.batches={config.evaluation.batches} must be >= 1")
+    split = d.split.replace("/", ",").split(",")
+    _require(config.evaluation.interval == 0 or (len(split) > 1 and float(split[1]) > 0),
+             f"evaluation.interval={config.evaluation.interval} needs a valid split, but "
+             f"data.split={d.split!r} holds out no documents; set e.g. data.split=95,5,0")
     g = config.guards
     _require(g.spike_factor == 0 or g.spike_factor > 1,
              f"guards.spike_factor={g.spike_factor} must be > 1 (or 0 to switch the guard off)")

@@ -407,3 +407,14 @@ def test_erc_loss_and_gradients_same_at_ep1_and_mock_epN(ep):
 def test_bad_settings_name_the_value(changes, word):
     with pytest.raises(ConfigError, match=word):
         cfg(**changes)
+
+
+def test_evaluation_needs_a_valid_split():
+    from pathlib import Path
+
+    from megamoe.train.config import load_config
+
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
+    with pytest.raises(ConfigError, match="data.split=95,5,0"):
+        load_config(tiny, ["evaluation.interval=5"])
+    assert load_config(tiny, ["evaluation.interval=5", "data.split=95,5,0"]).evaluation.batches == 4

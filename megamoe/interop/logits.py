@@ -51,8 +51,8 @@ def megamoe_logits(checkpoint_dir: Path, sections: dict, tokens: torch.Tensor) -
     if own_state:
         setup_megatron()
     try:
-        model = build_model(config, transformer_config(config, on_cuda=False, bf16=False),
-                            vocab_size=sections["vocab_size"])
+        (model,) = build_model(config, transformer_config(config, on_cuda=False, bf16=False),
+                               vocab_size=sections["vocab_size"])
         load_model_weights(checkpoint_dir, model, config)
         model.eval()
         seq = tokens.shape[1]

@@ -60,7 +60,7 @@ _MEGATRON_LM_READER = textwrap.dedent("""
               "max_position_embeddings": args.max_position_embeddings}
     # the model as pretrain_gpt.py builds it from the checkpoint's args and the spec
     tc = transformer_config(config, False, False)
-    model = build_model(config, tc, args.padded_vocab_size)
+    (model,) = build_model(config, tc, args.padded_vocab_size)
     request = {"model": model.sharded_state_dict(metadata={
         "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)})}
     state = dist_checkpointing.load(request, str(folder), strict="assume_ok_unexpected")
@@ -108,7 +108,7 @@ _MEGATRON_LM_WRITER = textwrap.dedent("""
     config = load_config(config_path, overrides)
     setup_megatron(seed=config.training.seed)
     tc = transformer_config(config, False, False)
-    model = build_model(config, tc, 4096)
+    (model,) = build_model(config, tc, 4096)
     load_model_weights(source, model, config)
     # generate_state_dict + get_rng_state (torch_dist, EP=1) as Megatron-LM's save writes them
     rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),

@@ -609,6 +609,10 @@ def validate(config: TrainConfig) -> None:
     _require(config.evaluation.interval == 0 or (len(split) > 1 and float(split[1]) > 0),
              f"evaluation.interval={config.evaluation.interval} needs a valid split, but "
              f"data.split={d.split!r} holds out no documents; set e.g. data.split=95,5,0")
+    _require(config.evaluation.interval == 0 or config.parallel.pipeline == 1,
+             f"evaluation.interval={config.evaluation.interval} runs the model on one pipeline "
+             f"stage; set parallel.pipeline=1 (got {config.parallel.pipeline}) or "
+             "evaluation.interval=0")
     g = config.guards
     _require(g.spike_factor == 0 or g.spike_factor > 1,
              f"guards.spike_factor={g.spike_factor} must be > 1 (or 0 to switch the guard off)")

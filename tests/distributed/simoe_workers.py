@@ -78,7 +78,8 @@ def simoe_tp_job(rank: int, world_size: int, ckpt_dir: str) -> dict:
     config = tiny_transformer_config(num_layers=2, hidden_size=32, num_attention_heads=4,
                                      ffn_hidden_size=64, normalization="RMSNorm",
                                      tensor_model_parallel_size=world_size)
-    simoe = SIMoEConfig(num_experts=4, lagrangian_lr=1.0, orthogonality_coefficient=1.0)
+    simoe = SIMoEConfig(num_experts=4, lagrangian_lr=1.0, orthogonality_coefficient=1.0,
+                        mask_lr_scale=1.0)  # Adam at lr 3e-2: keep the masks above target
 
     def build():
         return SIMoEGPTModel(config, simoe, vocab_size=VOCAB, max_sequence_length=SEQ,

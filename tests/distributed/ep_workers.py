@@ -13,7 +13,6 @@ import time
 import zlib
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 S, D = 4, 16  # sequence length and hidden size of the layer-level checks

@@ -56,6 +56,7 @@ _MEGATRON_LM_READER = textwrap.dedent("""
               "checked": {k: getattr(args, k) for k in
                           ("num_layers", "hidden_size", "num_attention_heads")},
               "add_position_embedding": getattr(args, "add_position_embedding", True),
+              "position_embedding_type": getattr(args, "position_embedding_type", None),
               "padded_vocab_size": args.padded_vocab_size,
               "max_position_embeddings": args.max_position_embeddings}
     # the model as pretrain_gpt.py builds it from the checkpoint's args and the spec
@@ -84,7 +85,9 @@ def test_megatron_lm_reads_a_megamoe_checkpoint(trained_run):
     assert report["tp_pp"] == [1, 1]
     assert report["no_save_optim"] and report["no_save_rng"]
     assert report["checked"] == {"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4}
-    assert report["add_position_embedding"] is True  # tiny config: learned absolute positions
+    # the tiny config: rotary positions, no learned position table
+    assert report["position_embedding_type"] == "rope"
+    assert report["add_position_embedding"] is False
     assert report["max_position_embeddings"] == 128 and report["padded_vocab_size"] % 128 == 0
     assert {"max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
             "num_steps"} <= set(report["scheduler"])

@@ -132,8 +132,11 @@ def test_thresholds_averaged_over_mock_replicas_and_saved():
     single = make_router(config)
     cutoffs = torch.tensor([naive_kth_largest(logits_of(single, x[r]), 3) for r in range(4)])
 
+    # Built here, one after the other: the mock's ranks are threads sharing torch's generator.
+    routers = [make_router(config) for _ in range(4)]
+
     def rank(comm):
-        router = make_router(config)
+        router = routers[comm.rank]
         router.record(router(x[comm.rank]), {})
         step_balancing(router, comm)
         return router.state_dict()

@@ -1,21 +1,9 @@
-"""Shared end-to-end fixtures: the default corpus and one real two-node Slurm cluster per test
-session."""
+"""Shared end-to-end fixtures: one real two-node Slurm cluster per test session (the corpus
+fixture is the root conftest's)."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 from slurm_helpers import local_cluster
-
-
-@pytest.fixture(scope="session")
-def corpus_cache(tmp_path_factory) -> Path:
-    """The default corpus and its tokenizer, built once for every run of this session."""
-    from megamoe.train.corpus import ensure_default_dataset
-
-    cache = tmp_path_factory.mktemp("megamoe-cache")
-    ensure_default_dataset(cache, progress=False)
-    return cache
 
 
 @pytest.fixture(scope="session")

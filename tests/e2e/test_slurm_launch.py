@@ -13,8 +13,6 @@ import shutil
 import socket
 import subprocess
 import sys
-from pathlib import Path
-
 import pytest
 
 from slurm_helpers import PRETRAIN_SCRIPT, local_cluster

@@ -18,6 +18,8 @@ def test_quick_study_writes_table_plots_and_claims(tmp_path):
     assert set(result["variants"]) == {"aux_loss", "bias"}
     for row in result["variants"].values():
         assert row["experts_per_token"] == 2.0 and row["heldout_loss"] > 0
+        assert 0 <= row["maxvio_pooled"] <= 3 and len(row["maxvio_pooled_by_layer"]) == 3
+    assert result["sampling_floor"].startswith("Sampling floor: 512 independent tokens")
     bar = [c for c in result["claims"] if c["claim"].startswith("bar:")]
     assert len(bar) == 1 and bar[0]["held"] in (True, False)
     assert "| bias |" in (out / "study.md").read_text()
@@ -26,6 +28,38 @@ def test_quick_study_writes_table_plots_and_claims(tmp_path):
         assert (out / f"{name}.png").stat().st_size > 1000
     lines = [l for l in done.stdout.splitlines() if l.startswith(("HELD", "DID NOT HOLD"))]
     assert len(lines) >= 2
+
+
+def _study_module():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import study_routing
+    finally:
+        sys.path.pop(0)
+    return study_routing
+
+
+def test_pooled_maxvio_sums_the_counts_of_the_last_steps():
+    study = _study_module()
+    # Three steps of 100 tokens over 4 experts (2, 2 and 1 experts per token); the first falls
+    # outside a 2-step window.
+    steps = [[90, 50, 40, 20], [10, 60, 70, 60], [35, 15, 25, 25]]
+    records = [{"step": s + 1, "moe/layer2/load": [c / sum(counts) for c in counts],
+                "moe/layer2/experts_per_token": sum(counts) / 100}
+               for s, counts in enumerate(steps)]
+    study.TAIL, saved = 2, study.TAIL
+    try:
+        pooled = study.pooled_maxvio(records, 2)
+    finally:
+        study.TAIL = saved
+    counts = [a + b for a, b in zip(steps[1], steps[2])]  # 45 75 95 85, mean 75
+    assert abs(pooled - (95 - 75) / 75) < 1e-12 and max(counts) == 95
+
+
+def test_iid_floor_shrinks_with_the_square_root_of_the_tokens():
+    study = _study_module()
+    small, large = study.iid_maxvio(1024, 8, 2), study.iid_maxvio(16 * 1024, 8, 2)
+    assert 3.0 < small / large < 5.5  # sqrt(16) = 4, up to sampling noise
 
 
 def test_unknown_variant_is_one_line_exit_2(tmp_path):

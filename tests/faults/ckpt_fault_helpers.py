@@ -80,16 +80,6 @@ def pickled(obj) -> bytes:
 # they keep their products in the session's base temporary folder to build each only once.
 
 @pytest.fixture(scope="session")
-def corpus_cache(tmp_path_factory) -> Path:
-    """The default corpus and its tokenizer, built once per session."""
-    from megamoe.train.corpus import ensure_default_dataset
-
-    cache = tmp_path_factory.getbasetemp() / "ckpt-megamoe-cache"
-    ensure_default_dataset(cache, progress=False)
-    return cache
-
-
-@pytest.fixture(scope="session")
 def trained_run(corpus_cache, tmp_path_factory) -> Path:
     """A finished SMALL_RUN: OUTPUT/checkpoints/iter_0000001..3 and the tracker (3)."""
     out = tmp_path_factory.getbasetemp() / "ckpt-trained"

@@ -45,16 +45,6 @@ def train_command(nproc: int, cache: Path, out: Path, *overrides: str) -> list[s
     return launcher(nproc, ["-m", "megamoe.train"]) + trainer_args(cache, out, *overrides)
 
 
-def build_corpus(tmp_path_factory) -> Path:
-    """The default corpus and its tokenizer, built once per test session (every test_run_*
-    module's fixture finds it in the session's base temporary folder)."""
-    from megamoe.train.corpus import ensure_default_dataset
-
-    cache = tmp_path_factory.getbasetemp() / "megamoe-run-cache"
-    ensure_default_dataset(cache, progress=False)
-    return cache
-
-
 def lines(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 import sys
 import textwrap
 
-from ckpt_fault_helpers import SMALL_RUN, TINY, assert_one_line_error, corpus_cache, run, train
+from ckpt_fault_helpers import SMALL_RUN, TINY, assert_one_line_error, run, train
 
 from megamoe.train.checkpoint import checkpoint_problem
 
-__all__ = ["corpus_cache"]  # fixture
 
 _FULL_DISK_DRIVER = textwrap.dedent("""
     import errno, functools, sys

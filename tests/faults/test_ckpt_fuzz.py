@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ckpt_fault_helpers import QUICK, REPO, TINY, assert_one_line_error, corpus_cache, env
+from ckpt_fault_helpers import QUICK, REPO, TINY, assert_one_line_error, env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,7 +28,6 @@ from megamoe.train.config import load_config
 from megamoe.train.indexed_check import check_indexed_dataset
 from megamoe.train.progress import latest_checkpoint
 
-__all__ = ["corpus_cache"]  # fixture
 FUZZ = settings(max_examples=15 if QUICK else 60, deadline=None, derandomize=QUICK,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) |

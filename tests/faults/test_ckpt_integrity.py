@@ -10,12 +10,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from ckpt_fault_helpers import (assert_one_line_error, corpus_cache, train, trained_run,
+from ckpt_fault_helpers import (assert_one_line_error, train, trained_run,
                                 upcycle)
 
 from megamoe.checkpointing.manifest import MANIFEST_FILE
 
-__all__ = ["corpus_cache", "trained_run"]  # fixtures
+__all__ = ["trained_run"]  # fixture
 
 
 def _copy(trained_run: Path, tmp_path: Path) -> Path:

@@ -22,9 +22,9 @@ import json
 import sys
 import textwrap
 
-from ckpt_fault_helpers import SMALL_RUN, TINY, corpus_cache, run, train, trained_run
+from ckpt_fault_helpers import SMALL_RUN, TINY, run, train, trained_run
 
-__all__ = ["corpus_cache", "trained_run"]  # fixtures
+__all__ = ["trained_run"]  # fixture
 
 _MEGATRON_LM_READER = textwrap.dedent("""
     import json, sys

@@ -11,9 +11,8 @@ import time
 import uuid
 from pathlib import Path
 
-from ckpt_fault_helpers import REPO, TINY, corpus_cache, env
+from ckpt_fault_helpers import REPO, TINY, env
 
-__all__ = ["corpus_cache"]  # fixture
 MARKER = "MEGAMOE_ORPHAN_TEST"
 
 

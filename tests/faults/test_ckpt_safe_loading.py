@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_fault_helpers import (ExecPayload, Payload, SMALL_RUN, TINY, assert_one_line_error,
-                                corpus_cache, pickled, run, train, trained_run, upcycle)
+                                pickled, run, train, trained_run, upcycle)
 
 from megamoe.checkpointing.manifest import write_manifest
 from megamoe.errors import CheckpointError
 
-__all__ = ["corpus_cache", "trained_run"]  # fixtures
+__all__ = ["trained_run"]  # fixture
 
 
 def _planted_copy(trained_run: Path, tmp_path: Path, name: str, data: bytes) -> Path:

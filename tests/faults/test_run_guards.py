@@ -16,7 +16,6 @@ from run_harness import (
     HARNESS,
     QUICK,
     REPO,
-    build_corpus,
     checkpoint_entries,
     env,
     events,
@@ -28,11 +27,6 @@ from run_harness import (
 
 RANKS = [2] if QUICK else [1, 2]
 BATCH = 16  # the tiny config's global batch size
-
-
-@pytest.fixture(scope="module")
-def corpus_cache(tmp_path_factory):
-    return build_corpus(tmp_path_factory)
 
 
 def _ep(nproc: int) -> str:

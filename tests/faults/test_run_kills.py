@@ -14,11 +14,9 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 from run_harness import (
     QUICK,
     REPO,
-    build_corpus,
     descendants,
     end_processes,
     env,
@@ -31,11 +29,6 @@ STEPS, INTERVAL, KILLS = (24, 4, 2) if QUICK else (300, 7, 6)
 RUN = (f"training.train_steps={STEPS}", f"checkpoint.interval={INTERVAL}",
        "optimizer.warmup_steps=10")
 DETECTION_LIMIT_S = 30.0  # from the SIGKILL to torchrun's exit (about a second when unloaded)
-
-
-@pytest.fixture(scope="module")
-def corpus_cache(tmp_path_factory):
-    return build_corpus(tmp_path_factory)
 
 
 def _last_step(out: Path) -> int:

@@ -28,6 +28,9 @@ HONOURED = frozenset({
     # Read by Megatron-LM's logging (megamoe saves per-layer values to Megatron's tracker) and by
     # its pipeline schedules (the MoEAuxLossAutoScaler scale, which megamoe's losses use).
     "moe_per_layer_logging", "moe_grad_scale_func",
+    # Megatron-Core turns it into selective recompute of "moe" (recompute_modules), which
+    # MegatronMoELayer.forward honours.
+    "moe_layer_recompute",
 })
 
 NO_EFFECT = frozenset({
@@ -57,8 +60,6 @@ REFUSED: dict[str, str] = {
     "moe_token_dropping": "use --moe-expert-capacity-factor for token dropping",
     "moe_enable_deepep": "megamoe dispatches with 'alltoall' or 'allgather'; turn DeepEP off",
     "moe_pad_expert_input_to_capacity": f"megamoe never pads expert inputs to capacity; {_OFF}",
-    "moe_layer_recompute": "recompute whole layers with Megatron's --recompute-granularity full "
-                           "instead (megamoe counts only the kept forward)",
     "moe_apply_probs_on_input": f"megamoe applies the gates to the expert outputs; {_OFF}",
     "moe_latent_size": "megamoe has no latent-space experts; leave it unset",
     "moe_expert_rank_capacity_factor": "use --moe-expert-capacity-factor (per expert) instead",

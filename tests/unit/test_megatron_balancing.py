@@ -255,3 +255,32 @@ def test_padded_bias_survives_state_dict_round_trip(megatron):
     fresh_router = [m for m in fresh.modules() if isinstance(m, MegatronMoELayer)][0].router
     assert torch.equal(fresh_router.bias_E, router.bias_E)
     assert float(fresh_router.expert_bias[4:].abs().sum()) == 0
+
+
+def test_moe_layer_recompute_recomputes_the_layer_and_counts_it_once(megatron):
+    """Megatron-LM's --moe-layer-recompute: Megatron-Core turns it into selective recompute of
+    'moe'. The layer's forward then runs again in the backward pass, with the same gradients as
+    without recomputation and the router's counts taken from the kept forward only."""
+    settings = dict(num_layers=1, hidden_size=H, num_attention_heads=2, num_moe_experts=E,
+                    moe_router_topk=2, moe_ffn_hidden_size=8, **COMBINATIONS["bias_aux"])
+    recomputed = tiny_transformer_config(moe_layer_recompute=True, **settings)
+    assert recomputed.recompute_granularity == "selective" and "moe" in recomputed.recompute_modules
+    layers = {"plain": MegatronMoELayer(tiny_transformer_config(**settings)),
+              "recomputed": MegatronMoELayer(recomputed)}
+    layers["recomputed"].load_state_dict(layers["plain"].state_dict())
+    results = {}
+    for name, layer in layers.items():
+        calls = []
+        layer.router.register_forward_hook(lambda *_: calls.append(1))
+        x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        out, _ = layer(x)
+        (out ** 2).sum().backward()
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+        results[name] = (len(calls), x.grad, grads, layer.router.load.selected_E.clone())
+    (plain_calls, plain_dx, plain_grads, plain_counts), (calls, dx, grads, counts) = \
+        results["plain"], results["recomputed"]
+    assert (plain_calls, calls) == (1, 2)
+    torch.testing.assert_close(dx, plain_dx, rtol=1e-5, atol=1e-7)
+    for n, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[n], rtol=1e-5, atol=1e-7)
+    assert torch.equal(counts, plain_counts) and counts.sum() == S * B * 2

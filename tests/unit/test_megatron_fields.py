@@ -29,7 +29,7 @@ REFUSED_VALUES = {
     "moe_router_topk_limited_devices": 2, "moe_router_padding_for_quantization": True,
     "moe_router_padding_for_fp8": True, "moe_router_force_load_balancing": True,
     "moe_token_dropping": True, "moe_pad_expert_input_to_capacity": True,
-    "moe_layer_recompute": True, "moe_apply_probs_on_input": True, "moe_latent_size": 8,
+    "moe_apply_probs_on_input": True, "moe_latent_size": 8,
 }
 
 

@@ -45,7 +45,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 import yaml
+
+from megamoe.balancing import maxvio
 
 ROOT = Path(__file__).resolve().parent.parent
 TAIL = 50  # steps averaged for the table ("last 50 steps")
@@ -154,12 +157,6 @@ def tail_mean(records: list[dict], key: str) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
-def maxvio(counts: list[float]) -> float:
-    """MaxVio = (max_i c_i - mean(c)) / mean(c) (Wang et al., arXiv 2408.15664)."""
-    mean = statistics.fmean(counts)
-    return (max(counts) - mean) / mean
-
-
 def pooled_maxvio(records: list[dict], layer: int) -> float:
     """MaxVio of one layer's expert counts summed over the last TAIL steps: the paper's
     MaxVio_global, a load counted over many batches, here the tokens of those steps. Every step
@@ -167,21 +164,20 @@ def pooled_maxvio(records: list[dict], layer: int) -> float:
     tail = [r for r in records if f"moe/layer{layer}/load" in r][-TAIL:]
     weights = [r[f"moe/layer{layer}/experts_per_token"] for r in tail]
     loads = [r[f"moe/layer{layer}/load"] for r in tail]
-    return maxvio([sum(w * load[i] for w, load in zip(weights, loads))
-                   for i in range(len(loads[0]))])
+    counts_E = (torch.tensor(weights, dtype=torch.float64)[:, None]
+                * torch.tensor(loads, dtype=torch.float64)).sum(0)
+    return float(maxvio(counts_E))
 
 
 def iid_maxvio(tokens: int, experts: int, topk: int, trials: int = 20) -> float:
     """Mean MaxVio of `tokens` independent tokens that each pick `topk` distinct experts
     uniformly at random: the sampling floor of a perfectly balanced router (real tokens within a
     sequence are correlated, so their floor is higher)."""
-    import torch
-
     generator = torch.Generator().manual_seed(0)
     values = []
     for _ in range(trials):
         picks = torch.rand(tokens, experts, generator=generator).topk(topk, dim=-1).indices
-        values.append(maxvio(torch.bincount(picks.flatten(), minlength=experts).tolist()))
+        values.append(float(maxvio(torch.bincount(picks.flatten(), minlength=experts).float())))
     return statistics.fmean(values)
 
 
@@ -191,11 +187,11 @@ def sampling_floor(folder: Path) -> str:
     config = yaml.safe_load((folder / "config.yaml").read_text())
     tokens = config["training"]["global_batch_size"] * config["model"]["seq_length"]
     experts, topk = config["moe"]["num_experts"], config["moe"].get("topk", 2)
+    per_step, pooled = (iid_maxvio(n, experts, topk) for n in (tokens, TAIL * tokens))
     return (f"Sampling floor: {tokens:,} independent tokens per step, each picking {topk} of "
-            f"{experts} experts uniformly at random, give MaxVio {iid_maxvio(tokens, experts, topk):.3f} "
-            f"per step and {iid_maxvio(TAIL * tokens, experts, topk):.3f} over {TAIL} steps "
-            "pooled; the tokens of a sequence are correlated, so a balanced router's own floor "
-            "is higher.")
+            f"{experts} experts uniformly at random, give MaxVio {per_step:.3f} per step and "
+            f"{pooled:.3f} over {TAIL} steps pooled; the tokens of a sequence are correlated, so "
+            "a balanced router's own floor is higher.")
 
 
 def summarise(records: list[dict]) -> dict:

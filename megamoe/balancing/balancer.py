@@ -8,6 +8,11 @@ own, so layers may differ in expert count, top-k or router type. The same reduct
 routers' own per-step state (`Router.step_sums`/`end_step`: the expert thresholds of
 `megamoe.routing.threshold`) and drives Skywork-MoE's adaptive aux-loss coefficient
 (`megamoe.balancing.adaptive`).
+
+Metrics: `maxvio_global` is MaxVio over one optimizer step's global batch (all replicas and
+micro-batches), `maxvio_batch` the mean over this rank's micro-batches. The paper's own
+MaxVio_global counts a whole evaluation set; a run approximates it by pooling the per-step
+`load` fractions over many steps (`tools/study_routing.py` pools the last 50).
 """
 from __future__ import annotations
 

@@ -9,8 +9,10 @@ layout with experts keyed by global id (`megamoe.megatron.sharded_state`).
 
 Under Megatron-LM's training loop: its `finalize_model_grads` updates the expert biases (see
 `megamoe.routing.Router`), its logging shows the balance losses and load metrics
-(`megamoe.megatron.tracker`), and under sequence parallelism the balance losses are taken over
-the whole tensor-parallel group's tokens, so they train the router exactly as at TP=1.
+(`megamoe.megatron.tracker`), the layer itself applies the rest of a step's balancing (expert
+thresholds, the adaptive aux coefficient) at the next step's first forward, and under sequence
+parallelism the balance losses are taken over the whole tensor-parallel group's tokens, so they
+train the router exactly as at TP=1.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import Any, Optional
 from megatron.core import tensor_parallel
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
+from megamoe.balancing import step_balancing
 from megamoe.config import MoEConfig
 from megamoe.errors import ConfigError
 from megamoe.layer import MoELayer
@@ -76,10 +79,16 @@ class MegatronMoELayer(MoELayer):
         return super().forward(hidden_SBD, padding_mask)
 
     def start_counting(self) -> None:
-        """A new step also begins when Megatron-LM's logging zeroed its MoE tracker."""
+        """A new step also begins when Megatron-LM's logging zeroed its MoE tracker. Megatron-LM's
+        loop never calls `step_balancing`, so what only it applies (expert thresholds, the
+        adaptive aux coefficient, a bias Megatron does not update) is applied here, from the
+        last step's counts reduced over the router's replicas: the values the next forward sees
+        are those `step_balancing` would have set."""
         generation = CLOCK.tick()
         if generation != self._generation:
             self._generation = generation
+            if self.router.step_pending():
+                step_balancing(self, self.replica_comm)
             self.router.load.reset()
         super().start_counting()
 

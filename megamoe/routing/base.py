@@ -148,6 +148,8 @@ class Router(nn.Module):
         """The routed experts' combined output `y_TD` as the layer returns it (as is here)."""
         return y_TD
 
+    has_step_state = False  # True for routers implementing step_sums / end_step
+
     def step_sums(self) -> Optional[torch.Tensor]:
         """Per-step routing state to sum over the replica group (fixed size), or None."""
         return None
@@ -170,6 +172,15 @@ class Router(nn.Module):
         self.load.record_losses(losses)
         if self.bias_E is not None:
             self._add_megatron_counts(routing.selected_TE.sum(0, dtype=torch.float32))
+
+    def step_pending(self) -> bool:
+        """Counts of a finished step still wait for `megamoe.balancing.step_balancing`: this
+        router has its own per-step state (expert thresholds), Skywork's adaptive coefficient,
+        or an expert bias whose counts Megatron's finalize_model_grads did not take."""
+        if self.load.empty:
+            return False
+        return (self.has_step_state or getattr(self, "adaptive_aux_coeff", None) is not None
+                or (self.bias_E is not None and not self.counts_consumed_by_megatron))
 
     @property
     def counts_consumed_by_megatron(self) -> bool:

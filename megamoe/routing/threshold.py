@@ -50,6 +50,7 @@ class ThresholdRouter(Router):
     """Expert-threshold router: token t goes to expert i iff logit r_ti >= c_i."""
 
     fp32_buffers = Router.fp32_buffers + ("threshold_ema", "threshold_updates")
+    has_step_state = True
 
     def __init__(self, cfg, init_method=None, bias_width: Optional[int] = None):
         super().__init__(cfg, init_method, bias_width)

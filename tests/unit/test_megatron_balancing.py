@@ -284,3 +284,55 @@ def test_moe_layer_recompute_recomputes_the_layer_and_counts_it_once(megatron):
     for n, grad in grads.items():
         torch.testing.assert_close(grad, plain_grads[n], rtol=1e-5, atol=1e-7)
     assert torch.equal(counts, plain_counts) and counts.sum() == S * B * 2
+
+
+STEP_STATE = {
+    "threshold": dict(router_type="threshold", score_function="sigmoid", topk=1,
+                      balancing="none", threshold_warmup_steps=1, threshold_ema_decay=0.5),
+    "adaptive_aux": dict(balancing="adaptive_aux_loss", aux_loss_coeff=1e-2,
+                         capacity_factor=1.0),
+    "bias_without_megatron_flag": dict(balancing="bias", score_function="sigmoid",
+                                       bias_update_rate=0.05),
+}
+
+
+def _step_state(router) -> dict[str, torch.Tensor]:
+    return {n: b.clone() for n, b in router.named_buffers()
+            if n in ("threshold_ema", "threshold_updates", "adaptive_aux_coeff", "expert_bias")}
+
+
+@pytest.mark.parametrize("case", sorted(STEP_STATE))
+def test_megatron_lm_loop_applies_what_only_step_balancing_applied(megatron, case):
+    """Megatron-LM's loop never calls step_balancing; its logging zeroes the MoE tracker once
+    per iteration. Driven that way, a layer whose balancing has per-step state routes every
+    micro-batch as under megamoe's own loop and reaches the same state."""
+    tc = tiny_transformer_config(num_layers=1, hidden_size=H, num_attention_heads=2,
+                                 num_moe_experts=E, moe_router_topk=2, moe_ffn_hidden_size=8)
+    reference = MegatronMoELayer(tc, moe=STEP_STATE[case])
+    megatron_lm = MegatronMoELayer(tc, moe=STEP_STATE[case])
+    megatron_lm.load_state_dict(reference.state_dict())
+    initial = _step_state(reference.router)
+
+    def run(layer, end_of_step):
+        layer.set_layer_number(1)
+        outputs, states = [], []
+        for step in range(4):
+            states.append(_step_state(layer.router))
+            for micro in range(2):
+                x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(10 * step + micro))
+                outputs.append(layer(x)[0].detach())
+            end_of_step(layer, step)
+        return outputs, states
+
+    ours, our_states = run(reference, lambda layer, step: step_balancing(layer))
+    clear_aux_losses_tracker()
+    theirs, their_states = run(megatron_lm, lambda layer, step: track_moe_metrics(
+        loss_scale=0.5, iteration=step, total_loss_dict={}, num_layers=1, moe_layer_freq=1))
+    assert not any(torch.equal(initial[n], our_states[-1][n]) for n in initial)
+    for theirs_out, our_out in zip(theirs, ours):
+        torch.testing.assert_close(theirs_out, our_out)
+    # Under Megatron-LM's loop a step's update lands in the next step's first forward: after
+    # step 3's forwards the layer holds the updates of steps 0..2, as megamoe's did before step 3.
+    for n, value in _step_state(megatron_lm.router).items():
+        torch.testing.assert_close(value, our_states[3][n])
+    assert their_states[0].keys() == initial.keys()

@@ -1,6 +1,8 @@
 """Small Megatron-Core model builders with CPU-safe settings, for tests and examples."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
@@ -43,6 +45,12 @@ def causal_attention_mask(seq_len: int) -> torch.Tensor:
     """
     future = torch.ones(seq_len, seq_len, dtype=torch.bool).triu(diagonal=1)
     return future.view(1, 1, seq_len, seq_len)
+
+
+def attention_mask_for(seq_len: int, on_cuda: bool) -> Optional[torch.Tensor]:
+    """The mask to pass a GPTModel: None on CUDA, where Megatron's attention builds its own causal
+    mask, and `causal_attention_mask` on the CPU."""
+    return None if on_cuda else causal_attention_mask(seq_len)
 
 
 def build_gpt(

@@ -38,7 +38,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 from megamoe.megatron.cpu import cuda_as_cpu, fix_torch_adam_checkpoints
-from megamoe.megatron.models import causal_attention_mask
+from megamoe.megatron.models import attention_mask_for
 from megamoe.train.config import TrainConfig
 from megamoe.train.data import Batch
 
@@ -67,8 +67,7 @@ class Engine:
         self.on_cuda = on_cuda
         self.routes_prompt = config.finetune.method == "simoe"
         fix_torch_adam_checkpoints()
-        # Megatron's local attention builds its default causal mask on CUDA: pass one on CPU.
-        self.mask = None if on_cuda else causal_attention_mask(config.model.seq_length)
+        self.mask = attention_mask_for(config.model.seq_length, on_cuda)
         with self.device_context():
             if on_cuda:
                 for chunk in chunks:

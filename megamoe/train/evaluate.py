@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megamoe.errors import ConfigError
-from megamoe.megatron.models import causal_attention_mask
+from megamoe.megatron.models import attention_mask_for
 from megamoe.train.config import TrainConfig
 from megamoe.train.data import build_gpt_datasets, iterate_batches
 from megamoe.train.inputs import data_sources
@@ -47,7 +47,7 @@ class HeldOutLoss:
         per_rank = e.batches * t.global_batch_size // (t.micro_batch_size * dp_size)
         self.batches = [b for _, b in zip(range(per_rank), batches)]
         self.interval, self.last_step = e.interval, t.train_steps
-        self.mask = causal_attention_mask(config.model.seq_length).to(device)
+        self.mask = attention_mask_for(config.model.seq_length, device.type == "cuda")
         self.device = device
 
     @classmethod

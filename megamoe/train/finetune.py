@@ -17,7 +17,7 @@ families evaluate.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from megamoe.instruct.dataset import InstructionDataset, collate, read_records
 from megamoe.instruct.evaluate import exact_match
 from megamoe.instruct.lora import TRAINABLE_SUFFIXES as LORA_SUFFIXES
 from megamoe.instruct.lora import lora_gpt
+from megamoe.megatron.models import attention_mask_for
 from megamoe.simoe.config import SIMoEConfig
 from megamoe.simoe.model import SIMoEGPTModel, is_simoe_state
 from megamoe.train.config import TrainConfig
@@ -137,7 +138,7 @@ class ExactMatchEvaluation:
 
     @torch.no_grad()
     def __call__(self, model: torch.nn.Module) -> dict[str, float]:
-        mask = causal_mask_for(self.config, self.device)
+        mask = attention_mask_for(self.config.model.seq_length, self.device.type == "cuda")
 
         def forward(tokens_BS, prompt_mask_BS):
             tokens_BS, prompt_mask_BS = tokens_BS.to(self.device), prompt_mask_BS.to(self.device)
@@ -160,13 +161,6 @@ class ExactMatchEvaluation:
             return metrics
         finally:
             model.train(was_training)
-
-
-def causal_mask_for(config: TrainConfig, device) -> Optional[torch.Tensor]:
-    """Megatron's local attention builds its default mask on CUDA: pass one on the CPU."""
-    from megamoe.megatron.models import causal_attention_mask
-
-    return None if device.type == "cuda" else causal_attention_mask(config.model.seq_length)
 
 
 def trainable_summary(model: torch.nn.Module) -> str:

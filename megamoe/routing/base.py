@@ -173,6 +173,11 @@ class Router(nn.Module):
         if self.bias_E is not None:
             self._add_megatron_counts(routing.selected_TE.sum(0, dtype=torch.float32))
 
+    def discard_step(self) -> None:
+        """Forget this step's counts (a step abandoned before its update, e.g. rolled back)."""
+        self.load.reset()
+        self.clear_megatron_counts()
+
     def step_pending(self) -> bool:
         """Counts of a finished step still wait for `megamoe.balancing.step_balancing`: this
         router has its own per-step state (expert thresholds), Skywork's adaptive coefficient,

@@ -102,6 +102,10 @@ class ThresholdRouter(Router):
         entry = torch.cat([cutoff_E, one])
         self._cutoffs = entry if self._cutoffs is None else self._cutoffs + entry
 
+    def discard_step(self) -> None:
+        super().discard_step()
+        self._cutoffs = None
+
     def step_sums(self) -> torch.Tensor:
         """This rank's summed micro-batch cutoffs and their count (zeros if none)."""
         if self._cutoffs is None:

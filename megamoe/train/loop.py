@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megamoe.balancing import step_balancing
+from megamoe.balancing import routers_of, step_balancing
 from megamoe.errors import ConfigError
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 from megamoe.parallel.comm import TorchComm
@@ -319,6 +319,8 @@ def _rollback(run: _Run, step: int, spike: Spike, position: int) -> TrainState:
                          moving_average=spike.average, action="stop")
         raise DivergenceError(text)
     state = load_checkpoint(checkpoint, run.model, run.engine, run.config)
+    for router in routers_of(run.model):  # the spiked step's routing counts go with it
+        router.discard_step()
     run.batches = run.batches_from(state.consumed_samples)
     batch_size = run.config.training.global_batch_size
     run.logger.event(step, "rollback",

@@ -63,6 +63,26 @@ def test_threshold_ema_with_bias_correction_over_microbatches():
         torch.testing.assert_close(router.thresholds_E, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("config", [threshold_cfg(threshold_ema_decay=0.9),
+                                    cfg(balancing="bias", bias_update_rate=0.1)],
+                         ids=["threshold", "bias"])
+def test_a_discarded_step_leaves_no_trace_in_the_next_update(config):
+    """A rolled-back step's routing (discard_step) does not reach the next step's update: the
+    result is that of a router that only saw the next step."""
+    discarding, clean = make_router(config), make_router(config)
+    torch.manual_seed(2)
+    abandoned, kept = torch.randn(20, D), torch.randn(20, D)
+    discarding.record(discarding(abandoned), {})
+    discarding.discard_step()
+    for router in (discarding, clean):
+        router.record(router(kept), {})
+        step_balancing(router)
+    for name, buffer in clean.named_buffers():
+        torch.testing.assert_close(dict(discarding.named_buffers())[name], buffer)
+    assert any(float(b.abs().sum()) > 0 for n, b in clean.named_buffers()
+               if n in ("threshold_ema", "expert_bias"))
+
+
 def test_threshold_routing_and_gates_match_naive_after_warmup():
     router = make_router(threshold_cfg(threshold_warmup_steps=0, threshold_capacity=None))
     with torch.no_grad():

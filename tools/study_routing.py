@@ -254,7 +254,7 @@ def claims(rows: dict[str, dict]) -> list[tuple[str, object, str]]:
         out.append(("dynamic top-p vs top-2", None, "variants top_p/aux_loss not run"))
     if have("threshold", "top1_shared"):
         t, k = rows["threshold"], rows["top1_shared"]
-        out.append(("expert threshold: balances without an aux loss (MaxVio_global no higher "
+        out.append(("expert threshold: balances without an aux loss (MaxVio per step no higher "
                     "than top-1 with the aux loss)", t["maxvio_global"] <= k["maxvio_global"],
                     f"MaxVio {t['maxvio_global']:.3f} vs {k['maxvio_global']:.3f}"))
         out.append(("expert threshold: lower held-out loss than token-choice top-1 at equal "
@@ -269,7 +269,7 @@ def claims(rows: dict[str, dict]) -> list[tuple[str, object, str]]:
     for name in ("sinkhorn", "base"):
         if have(name):
             r = rows[name]
-            out.append((f"{name}: near-perfect balance (MaxVio_global <= 0.1)",
+            out.append((f"{name}: near-perfect balance (MaxVio per step <= 0.1)",
                         r["maxvio_global"] <= 0.1, f"MaxVio {r['maxvio_global']:.3f}"))
     if have("skywork_norm", "aux_capacity"):
         s, a = rows["skywork_norm"], rows["aux_capacity"]

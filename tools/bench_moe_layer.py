@@ -52,16 +52,14 @@ def megatron_moe_layer(config, peer: str = "sequential"):
     import dataclasses
 
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    from megamoe.megatron.compat import build_from_spec, legacy_grouped_gemm_kwargs
 
     grouped = peer != "sequential"
-    legacy = {"moe_use_legacy_grouped_gemm": True} if peer == "grouped" else {}
     spec = get_moe_module_spec(use_te=peer == "te_grouped", num_experts=config.num_moe_experts,
-                               moe_grouped_gemm=grouped, **legacy)
-    config = dataclasses.replace(config, moe_grouped_gemm=grouped)
-    if isinstance(spec, ModuleSpec):
-        return build_module(spec, config=config)
-    return spec(config=config)
+                               moe_grouped_gemm=grouped,
+                               **legacy_grouped_gemm_kwargs(peer == "grouped"))
+    return build_from_spec(spec, config=dataclasses.replace(config, moe_grouped_gemm=grouped))
 
 
 class _DeepSpeedPeer(torch.nn.Module):

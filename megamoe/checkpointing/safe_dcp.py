@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import io
 import os
 import pickle
@@ -132,6 +131,23 @@ class SafeFileSystemReader(FileSystemReader):
         return super().read_data(plan, _CheckedPlanner(planner, Path(self.path)))
 
 
+def common_state_problem(directory: str | os.PathLike) -> Optional[str]:
+    """None if the torch_dist checkpoint `directory` holds its common state (`common.pt`, or
+    the sharded object `common_state` of megatron-core >= 0.19), else one line saying what is
+    missing."""
+    directory = Path(directory)
+    if (directory / COMMON_FILE).is_file():
+        return None
+    try:
+        names = read_dcp_metadata(directory / METADATA_FILE).state_dict_metadata
+    except CheckpointError as err:
+        return str(err)
+    if COMMON_STATE_KEY in names:
+        return None
+    return (f"{directory / COMMON_FILE} is missing and {directory / METADATA_FILE} names no "
+            "common_state object (megatron-core >= 0.19); the checkpoint is incomplete")
+
+
 def load_common_state(directory: str | os.PathLike) -> dict:
     """A torch_dist checkpoint's common (non-sharded) state, weights_only: `common.pt`, or the
     sharded object `common_state` of megatron-core >= 0.19."""
@@ -207,15 +223,14 @@ def _safe_cached_reader() -> type:
 
 @contextlib.contextmanager
 def _restricted_megatron_readers() -> Iterator[None]:
-    from megatron.core.dist_checkpointing import serialization
-    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+    from megamoe.megatron import compat
 
     cached_reader = _safe_cached_reader()
 
     def safe_reader(checkpoint_dir, cache_metadata: bool = False, **_):
         return (cached_reader if cache_metadata else SafeFileSystemReader)(checkpoint_dir)
 
-    modules = [m for m in (torch_strategy, serialization) if hasattr(m, "_get_filesystem_reader")]
+    modules = compat.filesystem_reader_modules()
     originals = [m._get_filesystem_reader for m in modules]
     for module in modules:
         module._get_filesystem_reader = safe_reader
@@ -233,8 +248,10 @@ def load_dist_checkpoint(request: dict, directory: str | os.PathLike, **kwargs) 
     collective wrappers comes out as the CheckpointError that caused it."""
     from megatron.core import dist_checkpointing
 
+    from megamoe.megatron import compat
+
     read_dcp_metadata(Path(directory) / METADATA_FILE)
-    if "common_strategy" in inspect.signature(dist_checkpointing.load).parameters:
+    if compat.load_takes_common_strategy():
         kwargs["common_strategy"] = _safe_common_strategy()()
     else:  # megatron-core >= 0.19 reads the common state itself: check it through ours first
         load_common_state(directory)

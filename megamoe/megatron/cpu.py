@@ -32,6 +32,8 @@ from typing import Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megamoe.megatron import compat
+
 _APPLIED: list[str] = []
 
 # Megatron's fork() warns when the CPU generator moves inside a fork; on CPU the forked
@@ -43,18 +45,74 @@ def _cpu_device() -> torch.device:
     return torch.device("cpu")
 
 
+class _HostStream:
+    """What a CUDA stream or event is on the CPU: work is done when it is issued, so waiting,
+    recording and synchronising are no-ops."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _HostStream()
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _host_stream(*args, **kwargs) -> _HostStream:
+    return _HostStream()
+
+
+def _no_op(*args, **kwargs) -> None:
+    return None
+
+
+# `torch.cuda` functions that Megatron-Core's training components call on every step (0.19's
+# gradient sync asks for `current_stream()` each time; both versions build streams for
+# overlapped communication and synchronise around buffers), and their CPU meaning.
+_CUDA_ON_CPU = {
+    "current_device": _cpu_device,
+    "current_stream": _host_stream,
+    "default_stream": _host_stream,
+    "Stream": _HostStream,
+    "Event": _HostStream,
+    "stream": lambda stream=None: contextlib.nullcontext(),
+    "synchronize": _no_op,
+}
+
+
 @contextlib.contextmanager
 def _current_device_is_cpu() -> Iterator[None]:
     """Make `torch.cuda.current_device()` name the CPU while the block runs.
 
     The swap is process-wide for the duration; without CUDA the call could only raise anyway.
     """
-    original = torch.cuda.current_device
-    torch.cuda.current_device = _cpu_device
+    with _swapped_cuda_functions({"current_device": _cpu_device}):
+        yield
+
+
+@contextlib.contextmanager
+def _swapped_cuda_functions(replacements: dict) -> Iterator[None]:
+    originals = {name: getattr(torch.cuda, name) for name in replacements}
+    for name, replacement in replacements.items():
+        setattr(torch.cuda, name, replacement)
     try:
         yield
     finally:
-        torch.cuda.current_device = original
+        for name, original in originals.items():
+            setattr(torch.cuda, name, original)
 
 
 def _allocate_on_cpu(owner: object, name: str, context=_current_device_is_cpu) -> None:
@@ -102,8 +160,9 @@ class _CudaAsCpuMode(TorchFunctionMode):
 @contextlib.contextmanager
 def cuda_as_cpu() -> Iterator[None]:
     """Run Megatron-Core code written for CUDA on the CPU (see `_CudaAsCpuMode`), with
-    `torch.cuda.current_device()` naming the CPU. Only the overridden entry points use it."""
-    with _current_device_is_cpu(), _CudaAsCpuMode():
+    `torch.cuda.current_device()` naming the CPU and CUDA streams and events as host no-ops
+    (`_CUDA_ON_CPU`). Only the overridden entry points use it."""
+    with _swapped_cuda_functions(_CUDA_ON_CPU), _CudaAsCpuMode():
         yield
 
 
@@ -209,8 +268,6 @@ def _patch_checkpoint_save() -> None:
     tensor on `torch.cuda.current_device()`; 0.16.1 calls it through the name bound in
     `strategies/torch.py`, 0.19.x imports it from `state_dict_saver` at call time.
     """
-    from megatron.core.dist_checkpointing.strategies import state_dict_saver
-    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     preload = FileSystemWriterAsync.preload_tensors
@@ -219,9 +276,8 @@ def _patch_checkpoint_save() -> None:
         return preload(write_buckets, non_blocking=False)
 
     FileSystemWriterAsync.preload_tensors = staticmethod(preload_on_cpu)
-    for module in (state_dict_saver, torch_strategy):
-        if hasattr(module, "save_state_dict_async_finalize"):
-            _allocate_on_cpu(module, "save_state_dict_async_finalize")
+    for module in compat.async_finalize_modules():
+        _allocate_on_cpu(module, "save_state_dict_async_finalize")
 
 
 def _patch_rotary_device() -> None:
@@ -246,7 +302,7 @@ def _patch_missing_te_general_gemm() -> None:
     """
     from megatron.core.transformer.moe import moe_utils
 
-    if not hasattr(moe_utils, "te_general_gemm"):
+    if compat.te_general_gemm_missing():
         moe_utils.te_general_gemm = None
 
 

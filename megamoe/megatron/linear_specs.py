@@ -5,7 +5,6 @@ LoRA): one function builds the decoder block spec, so each method only names its
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -13,9 +12,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-
-def _replace(spec: ModuleSpec, **submodules) -> ModuleSpec:
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **submodules))
+from megamoe.megatron.compat import replace_submodules as _replace
 
 
 def local_block_spec_with(config: TransformerConfig, column: ModuleSpec, row: ModuleSpec,

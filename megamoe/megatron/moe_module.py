@@ -27,7 +27,7 @@ from megamoe.config import MoEConfig
 from megamoe.errors import ConfigError
 from megamoe.layer import MoELayer
 from megamoe.megatron.sharded_state import drop_extra_state_placeholders, moe_sharded_state_dict
-from megamoe.megatron.tracker import CLOCK, save_layer_statistics
+from megamoe.megatron.tracker import CLOCK, report_load_metrics, save_layer_statistics
 from megamoe.parallel.comm import SingleComm, as_comm
 from megamoe.routing import Routing
 
@@ -54,6 +54,7 @@ class MegatronMoELayer(MoELayer):
                          token_comm=as_comm(pgs.tp) if tp > 1 else SingleComm(),
                          bias_width=bias_width)
         self._generation = CLOCK.tick()
+        report_load_metrics()
         self.config = config
         self.pg_collection = pgs
         if layer_number is not None:

@@ -46,6 +46,7 @@ from megatron.core.utils import get_pg_rank
 
 from megamoe.errors import ConfigError
 from megamoe.megatron.moe_module import MegatronMoELayer
+from megamoe.megatron.tracker import report_load_metrics
 
 
 def transformer_engine_available() -> bool:
@@ -177,6 +178,7 @@ class MegaMoETransformerLayer(TransformerLayer):
         base = _base_layer_spec(config, moe=is_moe, use_te=use_te).submodules
         if is_moe:
             base = dataclasses.replace(base, mlp=moe_mlp_spec(**(moe or {})))
+        report_load_metrics()  # on dense-only pipeline stages too: every rank tracks alike
         super().__init__(config, base, layer_number, **kwargs)
 
 

@@ -1,9 +1,12 @@
 """megamoe's balance losses and load metrics in Megatron-Core's MoE logging tracker.
 
-Megatron-LM's `training_log` calls `moe_utils.track_moe_metrics` every iteration: it reduces the
+Megatron-LM's `training_log` calls `moe_utils.track_moe_metrics` (core_v0.16) or
+`get_moe_metrics_tracker().report(track_names=...)` (main) every iteration: it reduces the
 values saved with `save_to_aux_losses_tracker` (per layer, summed over micro-batches), writes
 them to the console, TensorBoard and wandb (`moe/<name>_layer_<i>` with
-`--moe-per-layer-logging`), scaled by 1/num_microbatches, and zeroes them. megamoe saves under
+`--moe-per-layer-logging`), scaled by 1/num_microbatches, and zeroes them. The newer tracker
+reports only the names it is told to track; `report_load_metrics` adds megamoe's load metrics
+to them. megamoe saves under
 Megatron's own names, so its losses show where Megatron's would:
 `load_balancing_loss`, `seq_load_balancing_loss`, `global_load_balancing_loss`, `z_loss`,
 plus `entropy_loss` (top-p routing) and the load metrics `moe_maxvio_batch` (MaxVio of the
@@ -18,10 +21,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from megatron.core.transformer.moe.moe_utils import (get_moe_layer_wise_logging_tracker,
-                                                     save_to_aux_losses_tracker)
+from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
 
 from megamoe.balancing.tracker import maxvio
+from megamoe.megatron import compat
 
 MEGATRON_NAMES = {
     "aux_loss": "load_balancing_loss",
@@ -33,6 +36,7 @@ MEGATRON_NAMES = {
     "erc_loss": "erc_loss",
 }
 CLOCK_NAME = "moe_experts_per_token"  # written by megamoe layers only
+LOAD_METRICS = ("moe_maxvio_batch", CLOCK_NAME)
 
 
 class StepClock:
@@ -46,8 +50,7 @@ class StepClock:
 
     def tick(self) -> int:
         """The current generation, advanced if the entry changed behind megamoe's back."""
-        entry = get_moe_layer_wise_logging_tracker().get(CLOCK_NAME)
-        values = None if entry is None else entry.get("values")
+        values = compat.tracker_entries().get(CLOCK_NAME)
         if self._tensor is not None and (values is not self._tensor or
                                          values._version != self._version):
             self.generation += 1
@@ -55,7 +58,7 @@ class StepClock:
         return self.generation
 
     def wrote(self) -> None:
-        values = get_moe_layer_wise_logging_tracker()[CLOCK_NAME]["values"]
+        values = compat.tracker_entries()[CLOCK_NAME]
         self._tensor, self._version = values, values._version
 
 
@@ -69,16 +72,23 @@ def save_layer_statistics(losses: dict[str, torch.Tensor], selected_TE: torch.Te
     `token_group` by Megatron's reduction) and load metrics for Megatron's MoE logging."""
     if layer_number is None:
         return
-    tracker = get_moe_layer_wise_logging_tracker()
-    for name in [*(MEGATRON_NAMES[n] for n in losses), "moe_maxvio_batch", CLOCK_NAME]:
-        entry = tracker.get(name)
-        if entry is not None and entry["values"].numel() < num_layers:
-            del tracker[name]  # left by a model with fewer layers in this process
+    entries = compat.tracker_entries()
+    for name in [*(MEGATRON_NAMES[n] for n in losses), *LOAD_METRICS]:
+        values = entries.get(name)
+        if values is not None and values.numel() < num_layers:
+            compat.drop_tracker_entry(name)  # left by a model with fewer layers in this process
     for name, value in losses.items():
         save_to_aux_losses_tracker(MEGATRON_NAMES[name], value.detach().float(), layer_number,
                                    num_layers, reduce_group=token_group)
     counts_E = selected_TE.sum(0, dtype=torch.float32)
     tokens = selected_TE.any(-1).sum().clamp_min(1).float()
-    save_to_aux_losses_tracker("moe_maxvio_batch", maxvio(counts_E), layer_number, num_layers)
+    save_to_aux_losses_tracker(LOAD_METRICS[0], maxvio(counts_E), layer_number, num_layers)
     save_to_aux_losses_tracker(CLOCK_NAME, counts_E.sum() / tokens, layer_number, num_layers)
     CLOCK.wrote()
+
+
+def report_load_metrics() -> None:
+    """Make Megatron's MoE logging report megamoe's load metrics when it is told which names to
+    track (`compat.install_reporting_tracker`). Called on every rank that builds a layer from
+    megamoe's specs, so every rank reduces the same names."""
+    compat.install_reporting_tracker(LOAD_METRICS)

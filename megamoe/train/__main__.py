@@ -78,6 +78,9 @@ def _quiet_megatron() -> None:
     spec) would bury the training output; real errors still surface as exceptions."""
     warnings.filterwarnings("ignore", module=r"megatron\.")
     warnings.filterwarnings("ignore", module=r"torch\.distributed\.checkpoint")
+    # torch >= 2.13 deprecates the collectives Megatron-Core's gradient buffers call.
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            module=r"torch\.distributed\.c10d_logger")
     logging.getLogger("megatron").setLevel(logging.ERROR)
 
 

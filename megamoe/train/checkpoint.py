@@ -3,8 +3,10 @@ Megatron-LM's save-directory convention.
 
 Layout under the checkpoint folder (`checkpoint.dir`, default OUTPUT_DIR/checkpoints):
 
-    iter_0000100/                      one checkpoint: .metadata, *.distcp, common.pt,
-                                       metadata.json, megamoe_manifest.json (checksums)
+    iter_0000100/                      one checkpoint: .metadata, *.distcp, metadata.json,
+                                       common.pt (megatron-core <= 0.18; from 0.19 the common
+                                       state is inside the .distcp files),
+                                       megamoe_manifest.json (checksums)
     latest_checkpointed_iteration.txt  the iteration of the newest complete checkpoint, `100`
 
 A checkpoint holds the model's sharded state dict under `model` (Megatron-Core's keys; megamoe
@@ -49,11 +51,12 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megamoe.checkpointing.manifest import has_manifest, verify_folder, write_manifest
 from megamoe.checkpointing.no_orphans import own_write_results_queue
-from megamoe.checkpointing.safe_dcp import (COMMON_FILE, FAILURES, METADATA_FILE,
+from megamoe.checkpointing.safe_dcp import (FAILURES, METADATA_FILE, common_state_problem,
                                             find_exception, load_common_state,
                                             load_dist_checkpoint)
 from megamoe.checkpointing.torch_files import first_line
 from megamoe.errors import CheckpointError, MegaMoEError
+from megamoe.megatron import compat
 from megamoe.train.config import TrainConfig
 from megamoe.train.megatron_lm_state import (check_megatron_lm_args, is_megatron_lm_checkpoint,
                                              megatron_lm_common, train_state_of)
@@ -63,7 +66,9 @@ from megamoe.train.progress import (TRACKER, TrainState, checkpoint_name, latest
 from megamoe.train.schedule import LRSchedule
 
 FORMAT_VERSION = 1
-DCP_FILES = ("metadata.json", METADATA_FILE, COMMON_FILE)
+# Files every torch_dist checkpoint has; the common state is `common.pt` (megatron-core <= 0.18)
+# or a sharded object inside the `.distcp` files (>= 0.19), see `common_state_problem`.
+DCP_FILES = ("metadata.json", METADATA_FILE)
 # Keys a model may ask for that an external checkpoint may lack: Megatron's empty linear-layer
 # extra state, and expert biases (zeros are the right start for loss-free balancing).
 _OPTIONAL_KEY_ENDINGS = ("_extra_state", "expert_bias")
@@ -153,7 +158,11 @@ def checkpoint_problem(folder: Path) -> Optional[str]:
     for name in DCP_FILES:
         if not (folder / name).is_file():
             return f"{folder / name} is missing"
-    return verify_folder(folder, collective=_distributed()) if has_manifest(folder) else None
+    if has_manifest(folder):
+        problem = verify_folder(folder, collective=_distributed())
+        if problem is not None:
+            return problem
+    return common_state_problem(folder)
 
 
 def newest_verified(ckpt_dir: Path, skip: Optional[Path] = None) -> Optional[Path]:
@@ -242,14 +251,16 @@ def save_checkpoint(ckpt_dir: str | Path, state: TrainState, model: torch.nn.Mod
         "layout": layout,
         "format_version": FORMAT_VERSION,
     }
+    logged: list[str] = []
     try:
-        dist_checkpointing.save(sharded, str(tmp))
+        with compat.checkpoint_writer_errors() as logged:
+            dist_checkpointing.save(sharded, str(tmp))
         dist.barrier()
         write_manifest(tmp, collective=_distributed())
     except FAILURES as err:
         if _rank0():
             shutil.rmtree(tmp, ignore_errors=True)
-        raise _save_error(err, tmp, ckpt_dir) from None
+        raise _save_error(err, tmp, ckpt_dir, logged) from None
     dist.barrier()
     if _rank0():
         tmp.rename(final)
@@ -259,9 +270,11 @@ def save_checkpoint(ckpt_dir: str | Path, state: TrainState, model: torch.nn.Mod
     return final
 
 
-def _save_error(err: BaseException, tmp: Path, ckpt_dir: Path) -> MegaMoEError:
+def _save_error(err: BaseException, tmp: Path, ckpt_dir: Path,
+                logged: list[str]) -> MegaMoEError:
     """One line for a failed save. Megatron-Core's writer processes report an OSError (e.g.
-    ENOSPC) as a RuntimeError carrying its text inside DCP's per-rank CheckpointException."""
+    ENOSPC) as a RuntimeError carrying its text inside DCP's per-rank CheckpointException
+    (0.16), or only in the writer's `logged` messages (0.19)."""
     cause = find_exception(err, OSError) or find_exception(err, Exception) or err
     try:
         previous = latest_checkpoint(ckpt_dir)
@@ -269,7 +282,9 @@ def _save_error(err: BaseException, tmp: Path, ckpt_dir: Path) -> MegaMoEError:
         previous = None
     kept = f"the previous checkpoint {previous} is intact" if previous else "nothing was saved"
     text = first_line(cause)
-    if getattr(cause, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in text:
+    full = os.strerror(errno.ENOSPC)
+    if getattr(cause, "errno", None) == errno.ENOSPC or full in text or \
+            any(full in message for message in logged):
         return CheckpointError(f"cannot write checkpoint {tmp}: the disk is full ({text}); "
                                f"{kept}; free space or set checkpoint.dir, then run again to "
                                "resume")
@@ -294,7 +309,7 @@ def _check_compatible(saved: dict, config: TrainConfig, path: Path) -> None:
     for section in ("model", "moe"):
         saved_section = saved.get(section) if isinstance(saved, dict) else None
         if not isinstance(saved_section, dict):
-            raise CheckpointError(f"{path / COMMON_FILE} has no {section} settings; the "
+            raise CheckpointError(f"{path}: its common state has no {section} settings; the "
                                   "checkpoint is corrupt")
         for key in sorted(set(saved_section) | set(current[section])):
             old, new = saved_section.get(key), current[section].get(key)
@@ -312,7 +327,7 @@ def _megamoe_state(common: dict, path: Path) -> tuple[TrainState, dict]:
             raise ValueError(state)
         return state, layout
     except (KeyError, TypeError, ValueError):
-        raise CheckpointError(f"{path / COMMON_FILE} lacks a valid train_state/layout; the "
+        raise CheckpointError(f"{path}: its common state lacks a valid train_state/layout; the "
                               "checkpoint is corrupt") from None
 
 

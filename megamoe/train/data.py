@@ -17,14 +17,12 @@ Shapes: B micro batch size, S sequence length.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import re
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.blended_megatron_dataset_config import (
     convert_split_vector_to_split_matrix,
@@ -34,6 +32,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from torch.utils.data import DataLoader, Dataset
 
 from megamoe.errors import ConfigError, DataError, MegaMoEError
+from megamoe.megatron import compat
 from megamoe.train.indexed_check import check_indexed_dataset
 from megamoe.train.tokenizer import SentencePieceTokenizer
 
@@ -153,25 +152,8 @@ def build_gpt_datasets(
     builder = BlendedMegatronDatasetBuilder(
         cls=GPTDataset, sizes=sizes, is_built_on_rank=lambda: True, config=config
     )
-    with _one_rank_group_unless_distributed():
+    with compat.process_group_for_dataset_build():
         return builder.build()
-
-
-@contextlib.contextmanager
-def _one_rank_group_unless_distributed() -> Iterator[None]:
-    """Without torch.distributed, provide a one-rank gloo group for the duration of the build.
-
-    megatron-core 0.16.1's BlendedDataset asks torch.distributed for the rank even when no
-    process group exists (fixed in later releases); a world of one makes every rank check true.
-    """
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _rank_sample_indices(

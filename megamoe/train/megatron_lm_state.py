@@ -42,7 +42,10 @@ def megatron_lm_args(config: TrainConfig, state: TrainState, model: torch.nn.Mod
         group_query_attention=m.num_query_groups not in (None, m.num_attention_heads),
         kv_channels=m.kv_channels or m.hidden_size // m.num_attention_heads,
         max_position_embeddings=m.seq_length, seq_length=m.seq_length,
-        add_position_embedding=m.position_embedding == "learned_absolute",
+        # Megatron-LM's own default (its examples pass --position-embedding-type rope without
+        # --no-position-embedding), which check_checkpoint_args compares on --load; the
+        # positions used are position_embedding_type's.
+        add_position_embedding=True,
         position_embedding_type=m.position_embedding, rotary_base=m.rotary_base,
         use_rotary_position_embeddings=m.position_embedding == "rope", rotary_percent=1.0,
         use_rope_scaling=m.rope_scaling_factor is not None,

@@ -15,13 +15,14 @@ from typing import Iterator, Optional
 import torch
 
 from megamoe.checkpointing.manifest import has_manifest, verify_folder
+from megamoe.checkpointing.safe_dcp import common_state_problem, load_common_state
 from megamoe.errors import CheckpointError
 from megamoe.upcycle.dcp_reader import DCPReader
 from megamoe.upcycle.layout import LAYER_PREFIX, ObjectItem
 from megamoe.upcycle.source import DenseLayer, check_not_moe
-from megamoe.checkpointing.torch_files import load_torch_file
 
-SKIPPED_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine_state")
+# Not model weights; `common_state` is megatron-core 0.19's common state (read by _saved_args).
+SKIPPED_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine_state", "common_state")
 STACKED = -1
 
 
@@ -141,9 +142,9 @@ class DistSource:
 
 
 def _saved_args(directory: Path) -> Optional[argparse.Namespace]:
-    """Megatron-LM's `args` from common.pt, if present."""
-    if not (directory / "common.pt").exists():
+    """Megatron-LM's `args` from the checkpoint's common state, if present."""
+    if common_state_problem(directory) is not None:
         return None
-    common = load_torch_file(directory / "common.pt")
+    common = load_common_state(directory)
     args = common.get("args") if isinstance(common, dict) else None
     return args if isinstance(args, argparse.Namespace) else None

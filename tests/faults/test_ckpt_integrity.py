@@ -15,6 +15,9 @@ from ckpt_fault_helpers import (assert_one_line_error, train, trained_run,
 
 from megamoe.checkpointing.manifest import MANIFEST_FILE
 
+MCORE_0_16_CHECKPOINT = (Path(__file__).resolve().parents[1] / "fixtures" / "mcore_checkpoints" /
+                         "mcore-0.16.1" / "checkpoints" / "iter_0000004")
+
 __all__ = ["trained_run"]  # fixture
 
 
@@ -97,12 +100,13 @@ def test_bad_checkpoint_folder_is_one_line(damage, fragments, corpus_cache, trai
     assert _snapshot(out) == before
 
 
-def test_folder_without_common_pt_for_init_from_and_upcycler(corpus_cache, trained_run,
-                                                             tmp_path):
-    """A torch_dist folder lacking common.pt (no manifest, as Megatron-LM writes them): a
-    one-line error naming the file rather than Megatron-Core's AttributeError."""
-    folder = tmp_path / "iter_0000003"
-    shutil.copytree(trained_run / "checkpoints" / "iter_0000003", folder)
+def test_folder_without_common_pt_for_init_from_and_upcycler(corpus_cache, tmp_path):
+    """A torch_dist folder lacking its common state (common.pt, and no common_state object as
+    megatron-core >= 0.19 writes; no manifest, as Megatron-LM writes them): a one-line error
+    naming the file rather than Megatron-Core's AttributeError. The folder is the committed
+    megatron-core 0.16.1 checkpoint, whose common state is common.pt, on either version."""
+    folder = tmp_path / "iter_0000004"
+    shutil.copytree(MCORE_0_16_CHECKPOINT, folder)
     (folder / MANIFEST_FILE).unlink()
     (folder / "common.pt").unlink()
     done = train(corpus_cache, tmp_path / "fresh", f"checkpoint.init_from={folder}")

@@ -85,9 +85,11 @@ def test_megatron_lm_reads_a_megamoe_checkpoint(trained_run):
     assert report["tp_pp"] == [1, 1]
     assert report["no_save_optim"] and report["no_save_rng"]
     assert report["checked"] == {"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4}
-    # the tiny config: rotary positions, no learned position table
+    # the tiny config: rotary positions, no learned position table. check_checkpoint_args
+    # compares add_position_embedding with the command line's, whose default (True) is what
+    # Megatron-LM's own Mixtral example runs with (--position-embedding-type rope only).
     assert report["position_embedding_type"] == "rope"
-    assert report["add_position_embedding"] is False
+    assert report["add_position_embedding"] is True
     assert report["max_position_embeddings"] == 128 and report["padded_vocab_size"] % 128 == 0
     assert {"max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
             "num_steps"} <= set(report["scheduler"])

@@ -59,6 +59,10 @@ def test_nan_weight_stops_the_step_before_the_update(nproc, corpus_cache, tmp_pa
     assert max(step_records(out)) == 4
     assert [(e["step"], e["event"]) for e in events(out)] == [(5, "nonfinite")]
 
+# The injected spike (every label the unknown piece, at step 10) is about 1.29x the moving
+# average on the default corpus of Python 3.12 (it is built from the standard library's own
+# prose, which differs between Python versions) and more on 3.11's; steps 1-14 otherwise fall.
+SPIKE_FACTOR = 1.2
 
 @pytest.mark.parametrize("nproc", RANKS)
 def test_loss_spike_rolls_back_and_skips_the_batch(nproc, corpus_cache, tmp_path):
@@ -66,7 +70,7 @@ def test_loss_spike_rolls_back_and_skips_the_batch(nproc, corpus_cache, tmp_path
     done = subprocess.run(
         train_command(nproc, corpus_cache, out, _ep(nproc), "training.train_steps=14",
                       "checkpoint.interval=4", "optimizer.warmup_steps=2",
-                      "guards.spike_window=3", "guards.spike_factor=1.3",
+                      "guards.spike_window=3", f"guards.spike_factor={SPIKE_FACTOR}",
                       "guards.debug_spike_step=10", "logging.interval=1"),
         cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -76,7 +80,7 @@ def test_loss_spike_rolls_back_and_skips_the_batch(nproc, corpus_cache, tmp_path
     assert event["step"] == 10 and event["resumed_step"] == 8
     assert event["checkpoint"].endswith("iter_0000008")
     assert event["skipped_samples"] == [9 * BATCH, 10 * BATCH]
-    assert event["loss"] > 1.3 * event["moving_average"]
+    assert event["loss"] > SPIKE_FACTOR * event["moving_average"]
     assert "rolled back to" in done.stdout and "step 10: loss spike" in done.stdout
     # step 9 ran twice (before the spike and replayed from the step-8 checkpoint): bit-identical
     step9 = [r["loss"] for r in (json.loads(line) for line in
@@ -95,7 +99,7 @@ def test_loss_spike_with_stop_exits_without_saving(corpus_cache, tmp_path):
     done = subprocess.run(
         train_command(1, corpus_cache, out, _ep(1), "training.train_steps=14",
                       "checkpoint.interval=4", "optimizer.warmup_steps=2",
-                      "guards.spike_window=3", "guards.spike_factor=1.3",
+                      "guards.spike_window=3", f"guards.spike_factor={SPIKE_FACTOR}",
                       "guards.debug_spike_step=10", "guards.spike_action=stop"),
         cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 3

@@ -12,6 +12,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megamoe import MoEConfig
 from megamoe.balancing import maxvio, step_balancing
 from megamoe.layer import MoELayer
+from megamoe.megatron.compat import reset_moe_tracker
 from megamoe.megatron.models import causal_attention_mask, tiny_transformer_config
 from megamoe.megatron.moe_module import MegatronMoELayer
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
@@ -32,10 +33,10 @@ def megatron():
 
 @pytest.fixture(autouse=True)
 def fresh_tracker():
-    get_moe_layer_wise_logging_tracker().clear()
+    reset_moe_tracker()
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     yield
-    get_moe_layer_wise_logging_tracker().clear()
+    reset_moe_tracker()
 
 
 COMBINATIONS = {

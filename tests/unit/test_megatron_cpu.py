@@ -186,6 +186,50 @@ def test_cuda_as_cpu_puts_megatrons_cuda_allocations_on_the_cpu():
         torch.zeros(1, device="cuda")
 
 
+def test_cuda_as_cpu_gives_host_streams_and_events():
+    """megatron-core 0.19's gradient sync waits on `torch.cuda.current_stream()` every step;
+    both versions build streams for overlapped communication. On the CPU they are no-ops."""
+    from megamoe.megatron.cpu import cuda_as_cpu
+
+    with cuda_as_cpu():
+        stream = torch.cuda.current_stream()
+        side = torch.cuda.Stream(device=torch.cuda.current_device())
+        event = torch.cuda.Event()
+        stream.wait_event(event)
+        side.wait_stream(torch.cuda.default_stream())
+        with torch.cuda.stream(side):
+            value = torch.ones(2, device="cuda") * 2
+        side.record_event(event)
+        torch.cuda.synchronize()
+    assert torch.equal(value, torch.full((2,), 2.0))
+    with pytest.raises((RuntimeError, AssertionError, AttributeError)):
+        torch.cuda.current_stream().synchronize()  # only inside the block
+
+
+def test_megatrons_gradient_buffers_reduce_under_cuda_as_cpu(megatron):
+    """Megatron-Core's DistributedDataParallel with the distributed optimizer's buffers
+    finishes its gradient sync on the CPU (0.19 asks for the current CUDA stream there), and
+    the reduced gradient is the plain one (world size 1)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megamoe.megatron.cpu import cuda_as_cpu
+
+    config = tiny_transformer_config()
+    module = torch.nn.Linear(4, 3, bias=False)
+    reference = torch.nn.Linear(4, 3, bias=False)
+    reference.load_state_dict(module.state_dict())
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    with cuda_as_cpu():
+        ddp = DistributedDataParallel(
+            config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                  use_distributed_optimizer=True), module)
+        ddp.zero_grad_buffer()
+        ddp(x).square().sum().backward()
+        ddp.finish_grad_sync()
+    reference(x).square().sum().backward()
+    torch.testing.assert_close(module.weight.main_grad, reference.weight.grad)
+
+
 def test_torch_norm_under_sequence_parallelism_marks_its_weights(megatron):
     """Megatron's fused norms mark their weights so finalize_model_grads sums their gradients
     over the tensor-parallel group; the CPU torch norm does the same instead of refusing."""

@@ -13,6 +13,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 from megatron.core.transformer.spec_utils import import_module
 
+from megamoe.megatron.compat import reset_moe_tracker
 from megamoe.megatron.models import causal_attention_mask, tiny_transformer_config
 from megamoe.megatron.moe_module import MegatronMoELayer
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
@@ -67,7 +68,7 @@ def train_steps(model, steps, capture):
         optimizer.step()
         losses.append(float(loss.detach()))
         maps.append(list(capture))
-        get_moe_layer_wise_logging_tracker().clear()
+        reset_moe_tracker()
     return losses, maps
 
 

@@ -20,6 +20,8 @@ from typing import Optional
 import torch.distributed as dist
 
 from megamoe.atomic import atomic_write_text
+from megamoe.errors import CheckpointError
+from megamoe.paths import inside
 
 MANIFEST_FILE = "megamoe_manifest.json"
 MANIFEST_FORMAT = "megamoe-checkpoint-manifest/1"
@@ -86,7 +88,10 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, dict]:
 
 
 def _check(folder: Path, name: str, entry: dict) -> Optional[str]:
-    path = folder / name
+    try:
+        path = inside(folder, name)
+    except CheckpointError as err:
+        return str(err)
     if not path.is_file():
         return f"{path} is missing"
     size = path.stat().st_size
@@ -107,6 +112,9 @@ def verify_folder(folder: str | os.PathLike, collective: bool = False) -> Option
         files = read_manifest(folder)
     except (ValueError, OSError) as err:
         return f"{err}"
+    links = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_symlink())
+    if links:
+        return f"{folder / links[0]} is a link; a checkpoint holds plain files only"
     unlisted = sorted(set(_files(folder)) - set(files))
     if unlisted:
         return f"{folder / unlisted[0]} is not listed in {MANIFEST_FILE} (added after saving)"

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from megamoe.checkpointing.torch_files import (first_line, load_torch_bytes, load_torch_file,
                                               refused)
 from megamoe.errors import CheckpointError, MegaMoEError
+from megamoe.paths import inside
 
 COMMON_FILE = "common.pt"
 # The sharded object that holds the common state in megatron-core >= 0.19 checkpoints.
@@ -99,7 +100,28 @@ def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata; the "
                               "checkpoint is corrupt")
+    _check_storage(metadata, Path(path))
     return metadata
+
+
+def _check_storage(metadata: Metadata, path: Path) -> None:
+    """Every storage file `.metadata` names lies inside the checkpoint folder (so the folder's
+    manifest covers every byte a load reads), and every byte range it gives lies inside its
+    file."""
+    sizes: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not isinstance(name, str) or not all(isinstance(v, int) and v >= 0
+                                                for v in (offset, length)):
+            raise CheckpointError(f"{path} has a malformed storage entry; the checkpoint is "
+                                  "corrupt")
+        if name not in sizes:
+            file = inside(path.parent, name)
+            sizes[name] = file.stat().st_size if file.is_file() else -1
+        if sizes[name] >= 0 and offset + length > sizes[name]:
+            raise CheckpointError(f"{path} reads bytes {offset}..{offset + length} of {name}, "
+                                  f"which has {sizes[name]}; the checkpoint is corrupt")
 
 
 class _CheckedPlanner:

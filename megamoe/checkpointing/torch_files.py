@@ -105,3 +105,13 @@ def first_line(err: BaseException) -> str:
     """The first line of an exception's message (at most 300 characters), for one-line errors."""
     text = str(err).strip().splitlines()
     return text[0][:300] if text else type(err).__name__
+
+
+def require_finite(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """`tensor`, refused (one-line CheckpointError naming `what`) if it holds NaN or Inf: a
+    conversion never carries non-finite weights into its output without a word."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise CheckpointError(f"{what} holds {bad:,} NaN/Inf values; the input checkpoint is "
+                              "corrupt or diverged: convert a healthy one")
+    return tensor

@@ -11,7 +11,6 @@ the tokens before the first response, which is what SIMoE's router reads.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -19,9 +18,12 @@ from typing import NamedTuple, Optional
 import torch
 from torch.utils.data import Dataset
 
+from megamoe.bounded import bounded_lines, parse_json
 from megamoe.errors import DataError
 
 ROLES = ("system", "user", "assistant")
+MAX_RECORD_BYTES = 4 << 20
+"""A jsonl line (one record) longer than this (4 MiB) is refused as soon as it is read."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ def _chat_segments(messages, where: str) -> tuple[tuple[str, bool], ...]:
         content = turn.get("content") if isinstance(turn, dict) else None
         if role not in ROLES or not isinstance(content, str):
             raise DataError(f"{where}: each message needs a role in {ROLES} and a string "
-                            f"content; got {turn!r}")
+                            f"content; got {turn!r:.80}")
         if role == "assistant":
             segments += [("Assistant:", False), (f" {content}", True), ("\n", False)]
         else:
@@ -66,10 +68,7 @@ def _chat_segments(messages, where: str) -> tuple[tuple[str, bool], ...]:
 
 def parse_record(line: str, where: str) -> Record:
     """One jsonl line as a Record; a malformed one raises DataError naming `where`."""
-    try:
-        raw = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise DataError(f"{where}: not JSON ({err.msg}); write one JSON object per line") from None
+    raw = parse_json(line, DataError, where)
     if not isinstance(raw, dict):
         raise DataError(f"{where}: expected a JSON object with prompt/response or messages")
     task = raw.get("task")
@@ -87,13 +86,13 @@ def parse_record(line: str, where: str) -> Record:
 
 
 def read_records(path: str | Path) -> list[Record]:
-    """Every record of a jsonl file (blank lines skipped)."""
+    """Every record of a jsonl file (blank lines skipped); a line is at most MAX_RECORD_BYTES
+    and nests at most `bounded.MAX_DEPTH` deep."""
     try:
-        lines = Path(path).read_text().splitlines()
+        records = [parse_record(line, f"{path}:{number}") for number, line in
+                   bounded_lines(path, MAX_RECORD_BYTES, DataError, str(path)) if line.strip()]
     except OSError as err:
         raise DataError(f"cannot read instruction data {path} ({err.strerror})") from None
-    records = [parse_record(line, f"{path}:{number}")
-               for number, line in enumerate(lines, start=1) if line.strip()]
     if not records:
         raise DataError(f"{path} holds no records; write one JSON object per line")
     return records

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megamoe.paths import refuse_overlap
 from megamoe.atomic import atomic_directory
 from megamoe.interop.logits import require_within
 from megamoe.checkpointing.manifest import write_manifest
@@ -58,6 +59,7 @@ def _layer_chunks(layout: KeyLayout, index: int, tensors: dict[str, torch.Tensor
 def import_deepspeed(load, save, topk: int, activation: str = "gelu", overwrite: bool = False,
                      verify: bool = False, log: Callable[[str], None] = print) -> Optional[float]:
     """Convert the DeepSpeed checkpoint at `load` into `save`; returns the verify figure."""
+    refuse_overlap(save, [load])
     if activation not in ACTIVATIONS:
         raise ConfigError(f"--activation {activation!r} is not one of {list(ACTIVATIONS)}")
     source = DeepSpeedSource(Path(load))

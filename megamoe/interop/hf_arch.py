@@ -10,14 +10,18 @@ transformers 5 (`rope_parameters`) spellings of the rotary settings are read.
 """
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from megamoe.bounded import read_json
 from megamoe.errors import CheckpointError
+from megamoe.paths import inside
 
 CONFIG_FILE = "config.json"
+MAX_CONFIG_BYTES = 1 << 20
+"""A config.json larger than this (1 MiB) is refused unread."""
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe",
              "dbrx", "jamba", "granitemoe", "phimoe")
@@ -71,10 +75,7 @@ def read_config_json(directory: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{directory} has no {CONFIG_FILE}; pass a Hugging Face model "
                               "directory (config.json + *.safetensors)")
-    try:
-        config = json.loads(path.read_text())
-    except ValueError as err:
-        raise CheckpointError(f"{path} is not valid JSON ({err}); restore the file") from None
+    config = read_json(inside(directory, CONFIG_FILE), MAX_CONFIG_BYTES, CheckpointError)
     if not isinstance(config, dict):
         raise CheckpointError(f"{path} holds no JSON object; restore the file")
     return config
@@ -84,6 +85,9 @@ def _rope(config: dict, where: Path) -> tuple[float, Optional[float]]:
     """(rope_theta, Llama 3 scaling factor or None), refusing scalings Megatron lacks."""
     params = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or params
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise CheckpointError(f"{where}: rope_parameters / rope_scaling must be JSON objects; "
+                              "the config is corrupt")
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
@@ -112,7 +116,8 @@ def read_hf_arch(directory: Path) -> HFArch:
         raise CheckpointError(f"{where}: unknown architecture model_type={kind!r}; supported: "
                               f"{', '.join(DENSE_TYPES)}")
     if config.get("quantization_config"):
-        method = config["quantization_config"].get("quant_method", "?")
+        quantization = config["quantization_config"]
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
         raise CheckpointError(f"{where}: the model is quantised ({method}); convert an "
                               "unquantised (fp32/bf16/fp16) checkpoint")
     if config.get("hidden_act", "silu") != "silu":
@@ -122,23 +127,55 @@ def read_hf_arch(directory: Path) -> HFArch:
         raise CheckpointError(f"{where}: use_sliding_window=true is not supported (megamoe "
                               "trains full causal attention)")
     try:
-        heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
+        sizes = {name: _size(config, name, where) for name in SIZE_LIMITS
+                 if config.get(name) is not None}
+        heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
+        kv_heads = sizes.get("num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise CheckpointError(f"{where}: num_key_value_heads={kv_heads} does not divide "
+                                  f"num_attention_heads={heads}; the config is inconsistent")
+        if "head_dim" not in sizes and hidden % heads:
+            raise CheckpointError(f"{where}: hidden_size={hidden} is not a multiple of "
+                                  f"num_attention_heads={heads} and no head_dim is given")
         theta, factor = _rope(config, where)
         return HFArch(
-            model_type=kind, num_layers=int(config["num_hidden_layers"]), hidden_size=hidden,
-            num_attention_heads=heads,
-            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            intermediate_size=int(config["intermediate_size"]),
-            vocab_size=int(config["vocab_size"]), rope_theta=theta, rope_scaling_factor=factor,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            model_type=kind, num_layers=sizes["num_hidden_layers"], hidden_size=hidden,
+            num_attention_heads=heads, num_key_value_heads=kv_heads,
+            head_dim=sizes.get("head_dim", hidden // heads),
+            intermediate_size=sizes["intermediate_size"], vocab_size=sizes["vocab_size"],
+            rope_theta=_positive(theta, "rope_theta", where), rope_scaling_factor=factor,
+            rms_norm_eps=_positive(config.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=kind == "qwen2" or bool(config.get("attention_bias", False)),
             qk_norm=kind == "qwen3",
-            max_position_embeddings=int(config.get("max_position_embeddings", 4096)))
+            max_position_embeddings=sizes.get("max_position_embeddings", 4096))
     except KeyError as err:
         raise CheckpointError(f"{where} lacks {err.args[0]!r}; it is not a complete "
                               f"{kind} config") from None
     except (TypeError, ValueError) as err:
         raise CheckpointError(f"{where}: a field has the wrong type ({err})") from None
+
+
+# The sizes read from config.json and the largest accepted (well above any released model), so
+# an absurd value is refused before anything is allocated for it.
+SIZE_LIMITS = {"num_hidden_layers": 1 << 12, "hidden_size": 1 << 17,
+               "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12,
+               "head_dim": 1 << 12, "intermediate_size": 1 << 20, "vocab_size": 1 << 24,
+               "max_position_embeddings": 1 << 24}
+
+
+def _size(config: dict, name: str, where: Path) -> int:
+    """config[name] as a whole number in 1..SIZE_LIMITS[name], else a one-line error."""
+    value, limit = config[name], SIZE_LIMITS[name]
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if not whole or not 1 <= value <= limit:
+        raise CheckpointError(f"{where}: {name}={value!r:.40} must be a whole number from 1 to "
+                              f"{limit:,}; the config is corrupt or not a model's")
+    return value
+
+
+def _positive(value: Any, name: str, where: Path) -> float:
+    number = float(value)
+    if not math.isfinite(number) or number <= 0:
+        raise CheckpointError(f"{where}: {name}={value!r:.40} must be a positive finite number")
+    return number

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from megamoe.paths import refuse_overlap
 from megamoe.atomic import atomic_directory
 from megamoe.interop.logits import require_within
 from megamoe.checkpointing.manifest import write_manifest
@@ -66,6 +67,7 @@ def convert_hf_dense(load, save, overwrite: bool = False, verify: bool = False,
     """Write the Hugging Face model at `load` as a dense Megatron-Core checkpoint at `save`
     (Megatron-LM layout: tracker + `release/`); returns the verify figure when asked."""
     load = Path(load)
+    refuse_overlap(save, [load])
     source = HFSource(load)
     layout = KeyLayout("stacked", source.num_layers)
     start = time.perf_counter()

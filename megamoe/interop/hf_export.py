@@ -35,6 +35,7 @@ import torch
 from megamoe.atomic import atomic_directory
 from megamoe.interop.logits import require_within
 from megamoe.errors import CheckpointError, ConfigError
+from megamoe.paths import inside, refuse_overlap
 from megamoe.interop.hf_arch import HFArch
 from megamoe.interop.hf_source import TOKENIZER_FILES, split_qkv
 from megamoe.interop.safetensors_io import ShardedSafetensorsWriter
@@ -261,7 +262,7 @@ def _copy_tokenizer(tokenizer: Optional[Path], root: Path, out: Path) -> bool:
     if not source.is_dir():
         raise ConfigError(f"--tokenizer {source} is not a directory of Hugging Face tokenizer "
                           "files")
-    files = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
+    files = [inside(source, name) for name in TOKENIZER_FILES if (source / name).is_file()]
     for path in files:
         shutil.copyfile(path, out / path.name)
     return bool(files)
@@ -278,6 +279,7 @@ def export_hf(load, save, arch: Optional[str] = None, tokenizer=None, overwrite:
     from megamoe.train.config import config_from_dict
     from megamoe.upcycle.dist_source import DistSource
 
+    refuse_overlap(save, [load, tokenizer])
     folder = resolve_weights_dir(load)
     sections = _model_sections(load_common_state(folder), folder)
     config = config_from_dict(sections)

@@ -29,6 +29,7 @@ import torch
 from megamoe.errors import CheckpointError
 from megamoe.interop.hf_arch import HFArch, read_config_json, read_hf_arch
 from megamoe.interop.safetensors_io import SafetensorsReader
+from megamoe.paths import inside
 from megamoe.upcycle.layout import ObjectItem
 from megamoe.upcycle.source import DenseLayer
 
@@ -100,7 +101,7 @@ class HFSource:
         self.description = (f"Hugging Face {self.arch.model_type} ({self.num_layers} layers, "
                             f"hidden {self.arch.hidden_size}) at {directory}")
         self.model_settings = self.arch.model_settings()
-        self.side_files = [directory / name for name in TOKENIZER_FILES
+        self.side_files = [inside(directory, name) for name in TOKENIZER_FILES
                            if (directory / name).is_file()]
         self._check_names()
 
@@ -118,6 +119,34 @@ class HFSource:
         if not self.arch.tie_word_embeddings and "lm_head.weight" not in self.reader:
             raise CheckpointError(f"{self.directory} lacks lm_head.weight but config.json says "
                                   "tie_word_embeddings=false; the checkpoint is incomplete")
+        expected = self._expected_shapes()
+        for name, shape in self.reader.shapes.items():
+            want = expected.get(name.split(".", 3)[-1] if name.startswith("model.layers.")
+                                else name)
+            if want is not None and shape != want:
+                raise CheckpointError(f"{self.directory}: tensor {name} has shape {list(shape)} "
+                                      f"but config.json implies {list(want)}; the weights and "
+                                      "the config differ")
+
+    def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape config.json implies for each tensor (per-layer ones by their suffix)."""
+        a = self.arch
+        q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+        return {"model.embed_tokens.weight": (a.vocab_size, a.hidden_size),
+                "lm_head.weight": (a.vocab_size, a.hidden_size),
+                "model.norm.weight": (a.hidden_size,),
+                "input_layernorm.weight": (a.hidden_size,),
+                "post_attention_layernorm.weight": (a.hidden_size,),
+                "self_attn.q_proj.weight": (q, a.hidden_size),
+                "self_attn.k_proj.weight": (kv, a.hidden_size),
+                "self_attn.v_proj.weight": (kv, a.hidden_size),
+                "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                "self_attn.v_proj.bias": (kv,),
+                "self_attn.o_proj.weight": (a.hidden_size, q),
+                "self_attn.q_norm.weight": (a.head_dim,), "self_attn.k_norm.weight": (a.head_dim,),
+                "mlp.gate_proj.weight": (a.intermediate_size, a.hidden_size),
+                "mlp.up_proj.weight": (a.intermediate_size, a.hidden_size),
+                "mlp.down_proj.weight": (a.hidden_size, a.intermediate_size)}
 
     def layer(self, index: int) -> DenseLayer:
         prefix = HF_LAYER.format(index)

@@ -21,10 +21,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megamoe.bounded import read_json
+from megamoe.checkpointing.torch_files import require_finite
 from megamoe.errors import CheckpointError
+from megamoe.paths import inside
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 64 << 20
+"""An index file larger than this (64 MiB, about 500,000 tensors) is refused unread."""
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 
 
@@ -47,14 +52,15 @@ class SafetensorsReader:
     def _weight_map(self) -> dict[str, str]:
         index = self.directory / INDEX_FILE
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                if not isinstance(weight_map, dict) or not all(
-                        isinstance(v, str) for v in weight_map.values()):
-                    raise TypeError
-            except (ValueError, KeyError, TypeError):
+            data = read_json(inside(self.directory, INDEX_FILE), MAX_INDEX_BYTES,
+                             CheckpointError)
+            weight_map = data.get("weight_map") if isinstance(data, dict) else None
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(v, str) for v in weight_map.values()):
                 raise CheckpointError(f"{index} has no valid weight_map; restore the index "
-                                      "file") from None
+                                      "file")
+            for shard in set(weight_map.values()):
+                inside(self.directory, shard)  # a shard named outside the folder is refused
             return weight_map
         single = self.directory / SINGLE_FILE
         if not single.is_file():
@@ -64,7 +70,7 @@ class SafetensorsReader:
             return {name: SINGLE_FILE for name in handle.keys()}
 
     def _open(self, shard: str):
-        path = self.directory / shard
+        path = inside(self.directory, shard)
         if not path.is_file():
             raise CheckpointError(f"shard {path} is missing; the checkpoint is incomplete "
                                   "(download every shard the index names)")
@@ -99,7 +105,8 @@ class SafetensorsReader:
             raise CheckpointError(f"{self.directory} lacks tensor {name}; the checkpoint is "
                                   "incomplete or of another architecture")
         with self._open(self.shard_of[name]) as handle:
-            return handle.get_tensor(name)
+            tensor = handle.get_tensor(name)
+        return require_finite(tensor, f"{self.directory / self.shard_of[name]}: tensor {name}")
 
 
 class ShardedSafetensorsWriter:
@@ -115,7 +122,7 @@ class ShardedSafetensorsWriter:
         self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        self._pending[name] = tensor.contiguous()
+        self._pending[name] = require_finite(tensor, f"tensor {name} (exported)").contiguous()
         size = tensor.numel() * tensor.element_size()
         self._pending_bytes += size
         self.total_bytes += size

@@ -45,23 +45,25 @@ def _parser() -> argparse.ArgumentParser:
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     config = load_config(args.config, args.overrides)
+    _quiet_megatron()
     try:
         latest = latest_checkpoint(config.checkpoint_dir)
     except CheckpointError:
         if not config.checkpoint.resume_from_verified:
             raise
         latest = None  # the run picks the newest checkpoint that verifies
-    if latest is not None and iteration_of(latest) >= config.training.train_steps:
+    if latest is not None and iteration_of(latest) >= config.training.train_steps and \
+            _verified(latest, config):
         if os.environ.get("RANK", "0") == "0":
             print(f"{config.output_dir}: already trained {iteration_of(latest)} of "
-                  f"{config.training.train_steps} steps ({latest}); nothing to do", flush=True)
+                  f"{config.training.train_steps} steps ({latest}, verified); nothing to do",
+                  flush=True)
         return 0
     import torch
 
     if not torch.cuda.is_available():
         # Megatron's fused kernels are torch.compile'd: seconds per first call on CPU, no gain.
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    _quiet_megatron()
     from megamoe.train.guards import EXIT_DIVERGED, DivergenceError
     from megamoe.train.loop import run
 
@@ -71,6 +73,19 @@ def _main(argv: list[str] | None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {err}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED
+
+
+def _verified(latest, config) -> bool:
+    """Whether the finished run's newest checkpoint verifies. If it does not, a one-line
+    error names the newest one that does; with `checkpoint.resume_from_verified` the run goes
+    on from that one instead (False)."""
+    from megamoe.train.checkpoint import checkpoint_problem, require_verified
+
+    if checkpoint_problem(latest) is None:
+        return True
+    if not config.checkpoint.resume_from_verified:
+        require_verified(latest, config.checkpoint_dir)
+    return False
 
 
 def _quiet_megatron() -> None:

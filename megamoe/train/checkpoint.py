@@ -58,6 +58,7 @@ from megamoe.checkpointing.torch_files import first_line
 from megamoe.errors import CheckpointError, MegaMoEError
 from megamoe.megatron import compat
 from megamoe.train.config import TrainConfig
+from megamoe.train.guards import DivergenceError, describe_module
 from megamoe.train.megatron_lm_state import (check_megatron_lm_args, is_megatron_lm_checkpoint,
                                              megatron_lm_common, train_state_of)
 from megamoe.train.model import sharded_state_metadata
@@ -221,17 +222,26 @@ def save_checkpoint(ckpt_dir: str | Path, state: TrainState, model: torch.nn.Mod
                     config: TrainConfig) -> Path:
     """Save the run at `state` (on every rank); returns the checkpoint folder.
 
-    Saving a step that already has a checkpoint does nothing. A failed write (e.g. a full disk)
-    removes the partial folder and raises a one-line CheckpointError; the previous checkpoint
-    and the tracker stay as they were.
+    Saving a step that already has a checkpoint that verifies does nothing; one that does not
+    verify (a run resumed past a corrupt checkpoint with `resume_from_verified`) is replaced.
+    Parameters that are not finite are never saved: a DivergenceError names the first one. A
+    failed write (e.g. a full disk) removes the partial folder and raises a one-line
+    CheckpointError; the previous checkpoint and the tracker stay as they were.
     """
     ckpt_dir = Path(ckpt_dir)
     if ckpt_dir not in _PRE_RUN_VERIFIED:
         _PRE_RUN_VERIFIED[ckpt_dir] = newest_verified(ckpt_dir)
     name = checkpoint_name(state.iteration)
     final, tmp = ckpt_dir / name, ckpt_dir / f".{name}.tmp"
+    _refuse_nonfinite(model, state.iteration)
     if final.is_dir():
-        return final
+        problem = checkpoint_problem(final)
+        if problem is None:
+            return final
+        _warn(f"replacing the unusable checkpoint {final} ({problem})")
+        if _rank0():
+            shutil.rmtree(final)
+        dist.barrier()
     own_write_results_queue()
     if _rank0():
         shutil.rmtree(tmp, ignore_errors=True)
@@ -268,6 +278,19 @@ def save_checkpoint(ckpt_dir: str | Path, state: TrainState, model: torch.nn.Mod
         _prune(ckpt_dir, config.checkpoint.keep_last, _PRE_RUN_VERIFIED.get(ckpt_dir))
     dist.barrier()
     return final
+
+
+def _refuse_nonfinite(model: torch.nn.Module, step: int) -> None:
+    """A DivergenceError (on every rank alike) if any rank holds a NaN or Inf parameter."""
+    bad = next((name for name, p in model.named_parameters()
+                if not torch.isfinite(p.detach()).all()), None)
+    flag = torch.tensor([0.0 if bad is None else 1.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        where = describe_module(bad) if bad is not None else "a parameter on another rank"
+        raise DivergenceError(f"step {step}: {where} is not finite after the update; nothing "
+                              "was saved (lower optimizer.lr or resume from the last "
+                              "checkpoint)")
 
 
 def _save_error(err: BaseException, tmp: Path, ckpt_dir: Path,

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import reprlib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,8 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from megamoe.bounded import (MAX_INT_DIGITS, check_structure, load_yaml, parse_yaml,
+                             read_bounded)
 from megamoe.config import MoEConfig
 from megamoe.errors import ConfigError
 
@@ -46,6 +50,16 @@ RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe")
 DECAY_STYLES = ("cosine", "linear", "constant")
 SPIKE_ACTIONS = ("stop", "rollback")
 FINETUNE_METHODS = ("none", "full", "lora", "simoe")
+MAX_CONFIG_BYTES = 1 << 20
+"""A config file larger than this (1 MiB) is refused unread."""
+MAX_CONFIG_VALUES = 100_000
+"""A config (or override) holding more values than this, YAML aliases expanded, is refused."""
+MAX_INT = 2 ** 63 - 1
+"""The largest magnitude of an integer setting (what torch and Megatron can hold)."""
+_BRIEF = reprlib.Repr()
+_BRIEF.maxstring = _BRIEF.maxother = 60
+_BRIEF.maxlist = _BRIEF.maxdict = 4
+_BRIEF.maxlevel = 2
 
 
 @dataclass
@@ -372,9 +386,11 @@ def known_keys() -> list[str]:
     return keys
 
 
-def _shown(text: object) -> str:
-    """`text` for a one-line message: control characters (a newline in an override) escaped."""
+def _shown(text: object, limit: int = 120) -> str:
+    """`text` for a one-line message: control characters (a newline in an override) escaped,
+    cut to `limit` characters."""
     text = str(text)
+    text = text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
     return text if text.isprintable() else repr(text)[1:-1]
 
 
@@ -416,19 +432,33 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
             return value
     elif kind is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > MAX_INT:
+                raise ConfigError(f"{key}={_brief(value)} is out of range (at most {MAX_INT:,} "
+                                  "in magnitude)")
             return value
     elif kind is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads `3e-4` as a string
+            number = float(value) if abs(value) <= MAX_INT or isinstance(value, float) else None
+        elif isinstance(value, str):  # YAML 1.1 reads `3e-4` as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):
+                raise ConfigError(f"{key}={_brief(value)} is not a finite number; give a "
+                                  "finite value")
+            return number
     elif kind is str:
         if isinstance(value, str):
             return value
-    raise ConfigError(f"{key}={value!r} is not a valid {_type_name(kind)}")
+    raise ConfigError(f"{key}={_brief(value)} is not a valid {_type_name(kind)}")
+
+
+def _brief(value: Any) -> str:
+    """`repr(value)` cut to a few dozen characters, for a one-line message."""
+    return _shown(_BRIEF.repr(value))
 
 
 def _build_section(name: str, kind: Any, raw: Any, where: str) -> Any:
@@ -495,11 +525,15 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, value = text.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} is not key=value, e.g. training.train_steps=20")
+    what = f"override '{_shown(text)}'"
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = load_yaml(value) if value.strip() else ""
     except yaml.YAMLError:
         parsed = value
-    path = [int(p) if p.isdigit() else p for p in key.split(".")]
+    except ValueError as err:  # nesting or an integer beyond Python's limits
+        raise ConfigError(f"{what} {err}") from None
+    check_structure(parsed, ConfigError, what, MAX_CONFIG_VALUES)
+    path = [int(p) if p.isdigit() and len(p) <= MAX_INT_DIGITS else p for p in key.split(".")]
     return path, parsed
 
 
@@ -537,13 +571,9 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
     if not path.is_file():
         raise ConfigError(f"config file {_shown(path)} does not exist; pass e.g. "
                           "configs/tiny_cpu.yaml")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"config file {_shown(path)} is not valid YAML{at}; fix its "
-                          "syntax") from None
+    what = f"config file {_shown(path)}"
+    raw = parse_yaml(read_bounded(path, MAX_CONFIG_BYTES, ConfigError, what), ConfigError,
+                     what, MAX_CONFIG_VALUES) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {_shown(path)} must hold a mapping of sections")
     # Unknown keys in the file are reported against the file, those of overrides against them.

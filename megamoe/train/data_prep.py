@@ -14,7 +14,6 @@ only when everything succeeded, so a failure leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import tempfile
@@ -27,7 +26,9 @@ from typing import BinaryIO, Iterator, Sequence
 import numpy as np
 from tqdm import tqdm
 
+from megamoe.bounded import decode_utf8, parse_json
 from megamoe.errors import DataError
+from megamoe.paths import refuse_overlap
 from megamoe.train.tokenizer import SentencePieceTokenizer, train_sentencepiece
 
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -57,12 +58,8 @@ def _read_jsonl(f: BinaryIO, path: Path, json_key: str, bar: tqdm) -> Iterator[s
         bar.update(len(raw))
         if not raw.strip():
             continue
-        try:
-            record = json.loads(raw)
-        except ValueError as err:
-            raise DataError(
-                f"{path}:{lineno}: not valid JSON ({err}); each line must be one JSON object"
-            ) from None
+        record = parse_json(decode_utf8(raw, DataError, f"{path}:{lineno}"), DataError,
+                            f"{path}:{lineno}")
         text = record.get(json_key) if isinstance(record, dict) else None
         if not isinstance(text, str):
             raise DataError(
@@ -170,6 +167,8 @@ def preprocess(
     targets = [prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".idx")]
     if vocab_size is not None:
         targets.append(prefix.with_name(prefix.name + ".model"))
+    for target in targets:
+        refuse_overlap(target, [*paths, tokenizer_model], flag="--output-prefix")
     _check_outputs(targets, overwrite)
     threads = num_threads or len(os.sched_getaffinity(0))
 

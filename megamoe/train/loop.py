@@ -55,6 +55,7 @@ from megamoe.train.inputs import data_sources, training_batches
 from megamoe.train.metrics import MetricsLogger
 from megamoe.train.model import build_model, transformer_config
 from megamoe.train.progress import TrainState, latest_checkpoint
+from megamoe.train.run_lock import lock_output_dir
 from megamoe.train.schedule import LRSchedule, set_learning_rate
 from megamoe.train.signals import StopRequest
 from megamoe.train.tokenizer import SentencePieceTokenizer
@@ -98,13 +99,17 @@ def run(config: TrainConfig) -> int:
                    expert_model_parallel_size=p.expert, seed=config.training.seed,
                    timeout_s=config.training.collective_timeout_s)
     try:
-        stop = StopRequest()
-        stop.install()
-        run_ = _prepare(config, on_cuda, bf16)
+        lock = lock_output_dir(config.output_dir, config.checkpoint_dir)
         try:
-            _train(run_, stop)
+            stop = StopRequest()
+            stop.install()
+            run_ = _prepare(config, on_cuda, bf16)
+            try:
+                _train(run_, stop)
+            finally:
+                run_.logger.close()
         finally:
-            run_.logger.close()
+            lock.release()
         return 0
     finally:
         teardown_megatron()

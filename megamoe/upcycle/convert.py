@@ -30,6 +30,7 @@ from tqdm import tqdm
 from megamoe.atomic import atomic_directory
 from megamoe.checkpointing.manifest import write_manifest
 from megamoe.errors import CheckpointError, ConfigError
+from megamoe.paths import refuse_overlap
 from megamoe.upcycle.dcp_writer import StreamingCheckpointWriter
 from megamoe.upcycle.granular import MLPWeights
 from megamoe.upcycle.layout import KeyLayout, whole_tensor
@@ -72,12 +73,6 @@ def resolve_activation(recipe: UpcycleRecipe, source: DenseSource, gated: bool) 
     return "gelu"
 
 
-def _check_paths(load: Path, save: Path) -> None:
-    load, save = load.resolve(), save.resolve()
-    if load == save or save in load.parents or load in save.parents:
-        raise ConfigError(f"output {save} overlaps the input {load}; choose a separate directory")
-
-
 def _moe_args(args: argparse.Namespace, settings: dict) -> argparse.Namespace:
     """Megatron-LM's saved args with the MoE settings applied."""
     moe_args = copy.copy(args)
@@ -101,7 +96,7 @@ def upcycle_checkpoint(load, save, recipe: UpcycleRecipe, overwrite: bool = Fals
     if verify and recipe.topk % recipe.granularity:
         raise ConfigError(f"--verify checks function preservation, which needs topk={recipe.topk} "
                           f"to be a multiple of granularity={recipe.granularity}")
-    _check_paths(load, save)
+    refuse_overlap(save, [load])
     source = open_dense_checkpoint(load)
     pattern = recipe.layer_pattern(source.num_layers)
     layout = KeyLayout(recipe.resolved_key_layout(), source.num_layers)
@@ -145,27 +140,28 @@ def _write_parts(source: DenseSource, pattern: list[bool], layout: KeyLayout,
     """Write every layer (upcycled where `pattern` says), then the embeddings and output layer.
     Returns per-part metrics and the MoE layers' dense MLP shape."""
     metrics, mlp_info = [], {}
-    bar = tqdm(total=len(pattern) + 1, desc="upcycle", unit="layer", disable=not progress)
-    for index, is_moe in enumerate(pattern):
-        start = time.perf_counter()
-        dense = source.layer(index)
-        if is_moe:
-            _check_same_mlp(mlp_info, layer_dense_mlp(dense, index), index)
-            activation = resolve_activation(recipe, source, mlp_info["gated"])
-            items = moe_layer_items(layout, index, dense, recipe, activation)
-        else:
-            items = dense_layer_items(layout, index, dense)
-        written = writer.write_part(*items)
-        del dense, items
-        metrics.append(_metric(f"layer {index}", is_moe, written, start))
+    # Closed before an error leaves, so the one-line error is the last line on stderr.
+    with tqdm(total=len(pattern) + 1, desc="upcycle", unit="layer",
+              disable=not progress) as bar:
+        for index, is_moe in enumerate(pattern):
+            start = time.perf_counter()
+            dense = source.layer(index)
+            if is_moe:
+                _check_same_mlp(mlp_info, layer_dense_mlp(dense, index), index)
+                activation = resolve_activation(recipe, source, mlp_info["gated"])
+                items = moe_layer_items(layout, index, dense, recipe, activation)
+            else:
+                items = dense_layer_items(layout, index, dense)
+            written = writer.write_part(*items)
+            del dense, items
+            metrics.append(_metric(f"layer {index}", is_moe, written, start))
+            bar.update(1)
+        start, written = time.perf_counter(), 0
+        for key, tensor in source.non_layer_tensors():
+            written += writer.write_part([whole_tensor(key, tensor)])
+        written += writer.write_part((), source.non_layer_objects())
+        metrics.append(_metric("embeddings and output layer", False, written, start))
         bar.update(1)
-    start, written = time.perf_counter(), 0
-    for key, tensor in source.non_layer_tensors():
-        written += writer.write_part([whole_tensor(key, tensor)])
-    written += writer.write_part((), source.non_layer_objects())
-    metrics.append(_metric("embeddings and output layer", False, written, start))
-    bar.update(1)
-    bar.close()
     return metrics, mlp_info
 
 

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, WriteItem,
                                                   WriteItemType)
 
+from megamoe.checkpointing.torch_files import require_finite
 from megamoe.upcycle.layout import ObjectItem, TensorChunk
 
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -52,7 +53,7 @@ class _PartData:
         if tuple(tensor.shape) != chunk.shape or tensor.dtype != chunk.dtype:
             raise AssertionError(f"{chunk.key}: produced {tuple(tensor.shape)} {tensor.dtype}, "
                                  f"declared {chunk.shape} {chunk.dtype}")
-        return tensor.contiguous()
+        return require_finite(tensor, f"tensor {chunk.key} (from the input)").contiguous()
 
 
 class StreamingCheckpointWriter:

@@ -57,6 +57,6 @@ def test_bad_instruction_data_is_one_line_exit_2_and_writes_nothing(corpus_cache
         cwd=REPO, capture_output=True, text=True, timeout=300,
         env={**os.environ, "TORCHDYNAMO_DISABLE": "1"})
     assert done.returncode == 2
-    assert f"{bad}:2: not JSON" in done.stderr
+    assert f"{bad}:2: not valid JSON" in done.stderr
     assert len([line for line in done.stderr.splitlines() if line.startswith("error:")]) == 1
     assert not out.exists()

@@ -79,7 +79,7 @@ def test_chat_records_train_every_assistant_turn(tmp_path, data):
 
 
 @pytest.mark.parametrize("line, message", [
-    ("not json", "not JSON"),
+    ("not json", "not valid JSON"),
     ('{"prompt": "x"}', "needs string 'prompt' and 'response'"),
     ('{"prompt": "x", "response": "  "}', "response is empty"),
     ('{"messages": [{"role": "user", "content": "x"}]}', "last message must be the assistant"),

@@ -14,7 +14,6 @@ directory: torch_dist (`metadata.json` + `.metadata` + `*.distcp`) or legacy per
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,9 @@ from typing import Iterator, Optional, Protocol
 
 import torch
 
+from megamoe.bounded import read_json
 from megamoe.errors import CheckpointError
+from megamoe.paths import inside
 from megamoe.upcycle.layout import ObjectItem
 
 MOE_MARKERS = (".mlp.router.", ".mlp.experts.", ".mlp.shared_experts.")
@@ -102,11 +103,11 @@ def open_dense_checkpoint(path) -> DenseSource:
         return HFSource(Path(path))
     directory = resolve_checkpoint_dir(Path(path))
     if (directory / "metadata.json").exists():
-        try:
-            backend = json.loads((directory / "metadata.json").read_text())["sharded_backend"]
-        except (ValueError, KeyError, TypeError):
+        metadata = read_json(inside(directory, "metadata.json"), 1 << 16, CheckpointError)
+        backend = metadata.get("sharded_backend") if isinstance(metadata, dict) else None
+        if not isinstance(backend, str):
             raise CheckpointError(f"{directory}/metadata.json is not Megatron checkpoint "
-                                  "metadata; the checkpoint is corrupt") from None
+                                  "metadata; the checkpoint is corrupt")
         if backend != "torch_dist":
             raise CheckpointError(f"{directory} is a {backend!r} distributed checkpoint; only "
                                   "torch_dist is supported (convert it with Megatron first)")

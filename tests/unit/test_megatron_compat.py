@@ -24,9 +24,11 @@ def megatron():
     teardown_megatron()
 
 
-def test_the_installed_version_is_a_supported_one():
+def test_the_installed_version_is_read_and_not_older_than_the_oldest_supported():
+    """CI's legs are the SUPPORTED versions; a newer release (Megatron-LM main ships 0.20)
+    takes the newest entries' side of every difference."""
     assert compat.version_string() == mcore.__version__.split("rc")[0]
-    assert compat.MCORE_VERSION[:2] in compat.SUPPORTED
+    assert compat.MCORE_VERSION[:2] >= min(compat.SUPPORTED)
 
 
 class Marker(torch.nn.Module):

@@ -1,64 +1,85 @@
-"""One run per output directory: rank 0 holds an exclusive `flock` on OUTPUT_DIR/.megamoe.lock
-for the run's whole life.
+"""One run per output directory: rank 0 holds an exclusive `flock` on the output directory
+itself for the run's whole life.
 
 The kernel releases the lock when the process ends, however it ends (a SIGKILL leaves no stale
-lock behind). A second run on the same directory finds the lock taken and stops with one line
-naming the holder (process id, host, start time, written into the lock file), exit code 2.
-While it holds the lock, the run also removes the temporary folders (`.iter_*.tmp`) that an
-interrupted save of an earlier run left in the checkpoint folder.
+lock behind), and nothing is written to take it: a refused run leaves the directory exactly as
+it was. A second run on the same directory finds the lock taken and stops with one line naming
+the holder (its process id and command line, read from the kernel's lock table
+`/proc/locks`), exit code 2. While it holds the lock, the run also removes the temporary
+folders (`.iter_*.tmp`) that an interrupted save of an earlier run left in the checkpoint
+folder.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
-import socket
-import time
 from pathlib import Path
-from typing import IO, Optional
+from typing import Optional
 
 import torch.distributed as dist
 
 from megamoe.errors import ConfigError
-
-LOCK_FILE = ".megamoe.lock"
 
 
 class RunLock:
     """The exclusive lock of one output directory (held by one process)."""
 
     def __init__(self, output_dir: str | os.PathLike) -> None:
-        self.path = Path(output_dir) / LOCK_FILE
-        self._file: Optional[IO[str]] = None
+        self.directory = Path(output_dir)
+        self._fd: Optional[int] = None
+        self._created = False
 
     def acquire(self) -> Optional[str]:
         """Take the lock; None on success, else one line saying why not (the holder)."""
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            handle = open(self.path, "a+")
+            self._created = not self.directory.exists()
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
         except OSError as err:
-            return (f"output_dir {self.path.parent} cannot hold the run's lock file "
+            return (f"output_dir {self.directory} cannot be created or opened "
                     f"({err.strerror}); choose a writable output_dir")
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read(200).strip() or "a process that has not yet said who it is"
-            handle.close()
-            return (f"output_dir {self.path.parent} is in use by another run ({holder}); wait "
-                    "for it to end or choose another output_dir")
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since "
-                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        handle.flush()
-        self._file = handle
+            os.close(fd)
+            return (f"output_dir {self.directory} is in use by another run "
+                    f"({_holder(self.directory)}); wait for it to end or choose another "
+                    "output_dir")
+        self._fd = fd
         return None
 
     def release(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Drop the lock; a directory the lock created is removed again if the run left it
+        empty (a run refused before writing anything leaves no trace)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            if self._created:
+                with contextlib.suppress(OSError):
+                    self.directory.rmdir()  # only succeeds while empty
+
+
+def _holder(directory: Path) -> str:
+    """The process holding the flock of `directory`, from /proc/locks, with its command line."""
+    stat = os.stat(directory)
+    where = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+    try:
+        with open("/proc/locks") as locks:
+            pids = [line.split()[4] for line in locks
+                    if "FLOCK" in line and len(line.split()) > 5 and line.split()[5] == where]
+    except OSError:
+        pids = []
+    if not pids:
+        return "a process on another host, or one that just ended"
+    try:
+        with open(f"/proc/{pids[0]}/cmdline", "rb") as cmdline:
+            command = " ".join(cmdline.read(300).decode(errors="replace").replace("\0", " ")
+                               .split())
+    except OSError:
+        command = ""
+    return f"pid {pids[0]}" + (f": {command}" if command else "")
 
 
 def lock_output_dir(output_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike

@@ -177,15 +177,16 @@ def test_signal_saves_a_checkpoint_and_exits_zero(corpus_cache, tmp_path):
 
 
 def test_finished_run_exits_at_once(tmp_path):
-    """A (requeued) run whose checkpoint already reached train_steps does nothing, quickly."""
-    (tmp_path / "checkpoints" / "iter_0000007").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "latest").write_text("iter_0000007\n")
+    """A (requeued) run whose checkpoint already reached train_steps, and verifies, does
+    nothing, quickly (the committed 4-step checkpoint of the cross-version fixtures)."""
+    shutil.copytree(REPO / "tests" / "fixtures" / "mcore_checkpoints" / "mcore-0.16.1" /
+                    "checkpoints", tmp_path / "checkpoints")
     start = time.monotonic()
     done = subprocess.run(_command(1) + ["--config", str(TINY), f"output_dir={tmp_path}",
-                                         "training.train_steps=7"],
+                                         "training.train_steps=4"],
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert "already trained 7 of 7 steps" in done.stdout
+    assert "already trained 4 of 4 steps" in done.stdout and "verified" in done.stdout
     assert time.monotonic() - start < 20
     assert not (tmp_path / "metrics.jsonl").exists()
 

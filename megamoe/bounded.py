@@ -100,8 +100,8 @@ class _DepthLimitedLoader(yaml.SafeLoader):
 
 def load_yaml(text: str) -> Any:
     """`yaml.safe_load(text)` that stops at MAX_DEPTH levels: a syntax error raises
-    yaml.YAMLError; too deep a document, or an integer beyond Python's digit limit for
-    conversion, a ValueError whose text completes "<what> ..."."""
+    yaml.YAMLError; too deep a document, or a value the constructor cannot read (an integer
+    beyond Python's digit limit, a bad date), a ValueError whose text completes "<what> ..."."""
     try:
         return yaml.load(text, Loader=_DepthLimitedLoader)  # noqa: S506 - a SafeLoader
     except _TooDeep:
@@ -109,9 +109,9 @@ def load_yaml(text: str) -> Any:
     except RecursionError:
         raise _TooDeep(f"nests deeper than Python can parse (the limit is {MAX_DEPTH} "
                        "levels)") from None
-    except ValueError:
-        raise ValueError(f"holds an integer of more than {MAX_INT_DIGITS} digits, the "
-                         "limit") from None
+    except ValueError as err:  # e.g. an integer beyond Python's digit limit, a bad date
+        raise ValueError(f"holds a value that cannot be read ({str(err)[:80]}); integers "
+                         f"may have at most {MAX_INT_DIGITS} digits") from None
 
 
 def parse_yaml(text: str, error: type[MegaMoEError], what: str,

@@ -58,7 +58,7 @@ from megamoe.checkpointing.torch_files import first_line
 from megamoe.errors import CheckpointError, MegaMoEError
 from megamoe.megatron import compat
 from megamoe.train.config import TrainConfig
-from megamoe.train.guards import DivergenceError, describe_module
+from megamoe.train.guards import DivergenceError, describe_module, first_nonfinite_parameter
 from megamoe.train.megatron_lm_state import (check_megatron_lm_args, is_megatron_lm_checkpoint,
                                              megatron_lm_common, train_state_of)
 from megamoe.train.model import sharded_state_metadata
@@ -282,8 +282,7 @@ def save_checkpoint(ckpt_dir: str | Path, state: TrainState, model: torch.nn.Mod
 
 def _refuse_nonfinite(model: torch.nn.Module, step: int) -> None:
     """A DivergenceError (on every rank alike) if any rank holds a NaN or Inf parameter."""
-    bad = next((name for name, p in model.named_parameters()
-                if not torch.isfinite(p.detach()).all()), None)
+    bad = first_nonfinite_parameter(model)
     flag = torch.tensor([0.0 if bad is None else 1.0])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item():

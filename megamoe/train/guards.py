@@ -113,11 +113,17 @@ def _grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     return grad if grad is not None else param.grad
 
 
+def first_nonfinite_parameter(model: torch.nn.Module) -> Optional[str]:
+    """The name of this rank's first parameter holding NaN or Inf, or None."""
+    return next((name for name, p in model.named_parameters()
+                 if not torch.isfinite(p.detach()).all()), None)
+
+
 def diagnose(model: torch.nn.Module, tracer: Optional[NonFiniteTracer]) -> str:
     """This rank's account of where non-finite values are (run only when the guard trips)."""
     named = list(model.named_parameters())
     parts = []
-    weight = next((n for n, p in named if not torch.isfinite(p.detach()).all()), None)
+    weight = first_nonfinite_parameter(model)
     if weight is not None:
         parts.append(f"parameter {describe_module(weight)} holds NaN/Inf")
     output = tracer.first_nonfinite() if tracer is not None else None

@@ -11,6 +11,7 @@ import logging
 logging.getLogger("torch.utils.cpp_extension").addFilter(
     lambda record: not record.getMessage().startswith("No CUDA runtime is found"))
 
+from megamoe import dispatch, experts, routing  # noqa: E402,F401  (they fill megamoe.registry)
 from megamoe.config import MoEConfig  # noqa: E402
 from megamoe.errors import CheckpointError, ConfigError, DataError, MegaMoEError  # noqa: E402
 

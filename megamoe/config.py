@@ -1,9 +1,11 @@
 """MoEConfig: every knob of a megamoe layer in one validated dataclass.
 
 Validation lives in `MoEConfig.__post_init__` (and `check_expert_parallel` for the one check that
-needs the expert-parallel size); every error names the offending value and the fix.
-`MoEConfig.from_transformer_config` reads Megatron-Core's own `moe_*` fields so existing Megatron
-settings carry over.
+needs the expert-parallel size); every error names the offending value and the fix. The names
+`router_type`, `dispatcher` and `activation` may take come from the registries of
+`megamoe.registry`, which the implementations fill (importing `megamoe` imports them all).
+Megatron-Core's own `moe_*` fields map onto it in the adapter
+(`megamoe.megatron.fields.moe_config_from_transformer_config`).
 """
 from __future__ import annotations
 
@@ -14,17 +16,15 @@ from typing import Any, Optional, Union
 import torch
 
 from megamoe.errors import ConfigError
+from megamoe.registry import ACTIVATIONS, DISPATCHERS, ROUTERS
 
-ROUTER_TYPES = ("topk", "top_p", "threshold", "sinkhorn", "base")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 BIAS = "bias"
 ADAPTIVE_AUX = "adaptive_aux_loss"
 BALANCE_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss", ADAPTIVE_AUX)
 BALANCING = (BIAS, *BALANCE_LOSSES, "none")
 DROP_POLICIES = ("probs", "position")
-ACTIVATIONS = ("swiglu", "gelu", "squared_relu")
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
-DISPATCHERS = ("alltoall", "allgather")
 
 
 @dataclass
@@ -170,13 +170,13 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         _check_positive(self, "hidden_size", "num_experts", "ffn_hidden_size", "topk")
-        _check_choice(self, "router_type", ROUTER_TYPES)
+        _check_choice(self, "router_type", ROUTERS.names())
         _check_choice(self, "score_function", SCORE_FUNCTIONS)
         self._check_balancing()
         _check_choice(self, "drop_policy", DROP_POLICIES)
-        _check_choice(self, "activation", ACTIVATIONS)
+        _check_choice(self, "activation", ACTIVATIONS.names())
         _check_choice(self, "router_dtype", tuple(ROUTER_DTYPES))
-        _check_choice(self, "dispatcher", DISPATCHERS)
+        _check_choice(self, "dispatcher", DISPATCHERS.names())
         if self.topk > self.num_experts:
             raise ConfigError(
                 f"topk={self.topk} exceeds num_experts={self.num_experts}; set topk <= num_experts"
@@ -368,103 +368,6 @@ class MoEConfig:
         if unknown:
             raise ConfigError(f"unknown MoEConfig field(s) {sorted(unknown)}; see megamoe.MoEConfig")
         return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def from_transformer_config(cls, tc: Any, **overrides: Any) -> "MoEConfig":
-        """Build from a Megatron-Core TransformerConfig's `moe_*` fields, then apply `overrides`.
-
-        Every `moe_*` field of the installed TransformerConfig is honoured or, when set to a
-        value megamoe cannot honour, refused with a ConfigError naming the field and the fix
-        (`megamoe.megatron.fields`). `moe_router_enable_expert_bias` adds `bias` to the
-        load-balancing losses of `moe_router_load_balancing_type` (one weight each from
-        `moe_aux_loss_coeff`).
-        """
-        from megamoe.megatron.fields import check_megatron_fields
-
-        if tc.num_moe_experts is None:
-            raise ConfigError(
-                "TransformerConfig.num_moe_experts is None; set --num-experts to build an MoE layer"
-            )
-        check_megatron_fields(tc)
-        balancing, coeffs = _balancing_from_megatron(tc)
-        values = dict(
-            hidden_size=tc.hidden_size,
-            num_experts=tc.num_moe_experts,
-            ffn_hidden_size=tc.moe_ffn_hidden_size or tc.ffn_hidden_size,
-            topk=tc.moe_router_topk,
-            score_function=tc.moe_router_score_function,
-            pre_softmax=tc.moe_router_pre_softmax,
-            topk_scaling_factor=tc.moe_router_topk_scaling_factor,
-            num_groups=tc.moe_router_num_groups,
-            groups_per_token=tc.moe_router_group_topk,
-            balancing=balancing,
-            bias_update_rate=tc.moe_router_bias_update_rate,
-            z_loss_coeff=tc.moe_z_loss_coeff or 0.0,
-            capacity_factor=tc.moe_expert_capacity_factor,
-            drop_policy=tc.moe_token_drop_policy,
-            activation=_activation_from_megatron(tc),
-            shared_expert_ffn_size=tc.moe_shared_expert_intermediate_size,
-            shared_expert_gate=tc.moe_shared_expert_gate,
-            router_dtype=tc.moe_router_dtype or "fp32",
-            dispatcher=tc.moe_token_dispatcher_type,
-            input_jitter_eps=tc.moe_input_jitter_eps,
-            init_method_std=tc.init_method_std,
-        )
-        if coeffs:  # else MoEConfig's default weight, for losses the overrides turn on
-            values["aux_loss_coeff"] = coeffs[0] if len(coeffs) == 1 else coeffs
-        values.update(overrides)
-        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ConfigError(f"unknown MoEConfig field(s) {sorted(unknown)}; see megamoe.MoEConfig")
-        return cls(**values)
-
-
-def _balancing_from_megatron(tc: Any) -> tuple[list[str], list[float]]:
-    """(balancing, aux_loss_coeff) from Megatron's load-balancing type(s), coefficient(s) and
-    expert-bias flag. A loss whose coefficient is 0 is off, as in Megatron's router."""
-    kinds = tc.moe_router_load_balancing_type
-    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
-    coeffs = tc.moe_aux_loss_coeff
-    coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)
-    if len(coeffs) != len(kinds):
-        raise ConfigError(
-            f"moe_aux_loss_coeff={coeffs} has {len(coeffs)} values for "
-            f"moe_router_load_balancing_type={kinds}; give one coefficient per type"
-        )
-    balancing, weights = [], []
-    for kind, coeff in zip(kinds, coeffs):
-        if kind == "none":
-            continue
-        if kind not in BALANCE_LOSSES:
-            raise ConfigError(
-                f"moe_router_load_balancing_type={kind!r} is not supported by megamoe; use "
-                f"{list(BALANCE_LOSSES) + ['none']} and/or --moe-router-enable-expert-bias"
-            )
-        if coeff > 0:
-            balancing.append(kind)
-            weights.append(float(coeff))
-    if tc.moe_router_enable_expert_bias:
-        balancing.insert(0, BIAS)
-    return balancing or ["none"], weights
-
-
-def _activation_from_megatron(tc: Any) -> str:
-    import torch.nn.functional as F
-
-    name = getattr(tc.activation_func, "__name__", str(tc.activation_func))
-    if tc.gated_linear_unit:
-        if tc.activation_func is F.silu:
-            return "swiglu"
-        raise ConfigError(
-            f"gated activation {name!r} is not supported; use activation_func=F.silu (swiglu)"
-        )
-    if tc.activation_func is F.gelu:
-        return "gelu"
-    if "squared_relu" in name:
-        return "squared_relu"
-    raise ConfigError(
-        f"activation {name!r} is not supported; use swiglu (gated silu), gelu or squared_relu"
-    )
 
 
 def _check_positive(cfg: MoEConfig, *names: str) -> None:

@@ -7,18 +7,17 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from torch import nn
 
 from megamoe.balancing.erc import erc_loss
-from megamoe.balancing.losses import (entropy_loss, real_tokens, sequence_aux_loss,
-                                     sequence_counts, switch_aux_loss, z_loss)
+from megamoe.balancing.losses import (attach_loss, entropy_loss, real_tokens,
+                                     sequence_aux_loss, sequence_counts, switch_aux_loss, z_loss)
 from megamoe.config import MoEConfig
 from megamoe.dispatch import DISPATCHERS
 from megamoe.experts import GroupedExperts, SharedExpert
 from megamoe.parallel.comm import Comm, SingleComm
 from megamoe.parallel.overlap import join_side_stream, start_on_side_stream
-from megamoe.routing import ROUTERS, Routing, apply_capacity
+from megamoe.routing import ROUTERS, Router, Routing, apply_capacity
 
 
 class MoELayer(nn.Module):
@@ -30,24 +29,23 @@ class MoELayer(nn.Module):
     token_comm: the ranks that split one micro-batch's tokens and sum the router's gradients
         (the tensor-parallel group under sequence parallelism); the balance losses are taken
         over all of their tokens (`megamoe.balancing.losses`).
-    bias_width: width of the expert-bias buffers Megatron's finalize_model_grads stacks (the
-        widest router of the model; see `megamoe.routing.Router`).
-    Balance losses are attached to the output's gradient (Megatron-Core's MoEAuxLossAutoScaler,
-    whose scale Megatron's pipeline schedules set), so they train the router without changing the
-    reported LM loss; their values are recorded for the step's metrics.
+    Balance losses are attached to the output's gradient (`attach_losses`), so they train the
+    router without changing the reported LM loss; their values are recorded for the step's
+    metrics. The layer is plain PyTorch: a host framework (Megatron-Core,
+    `megamoe.megatron.moe_module`) adapts it through `make_router`, `start_counting`, `report`,
+    `loss_scale` and `attach_losses`.
     """
 
     def __init__(self, cfg: MoEConfig, ep_comm: Optional[Comm] = None,
                  replica_comm: Optional[Comm] = None, init_method: Optional[Callable] = None,
-                 output_init_method: Optional[Callable] = None, token_comm: Optional[Comm] = None,
-                 bias_width: Optional[int] = None):
+                 output_init_method: Optional[Callable] = None, token_comm: Optional[Comm] = None):
         super().__init__()
         self.cfg = cfg
         self.ep_comm = ep_comm or SingleComm()
         self.replica_comm = replica_comm or SingleComm()
         self.token_comm = token_comm or SingleComm()
         cfg.check_expert_parallel(self.ep_comm.size)
-        self.router = ROUTERS[cfg.router_type](cfg, init_method, bias_width)
+        self.router = self.make_router(cfg, init_method)
         self.router.group_comm = self.ep_comm
         self.dispatcher = DISPATCHERS[cfg.dispatcher](cfg.num_experts, self.ep_comm)
         # Experts on different expert-parallel ranks must start different: seed their init with
@@ -59,6 +57,10 @@ class MoELayer(nn.Module):
                                           output_init_method)
         self.shared_experts = (SharedExpert(cfg, init_method, output_init_method)
                                if cfg.shared_expert_ffn_size else None)
+
+    def make_router(self, cfg: MoEConfig, init_method: Optional[Callable]) -> Router:
+        """The router of `cfg.router_type`, from the `ROUTERS` registry."""
+        return ROUTERS[cfg.router_type](cfg, init_method)
 
     def set_layer_number(self, layer_number: int) -> None:
         """Called by Megatron's TransformerLayer with the global 1-based layer number."""
@@ -92,7 +94,7 @@ class MoELayer(nn.Module):
             y_TD = y_TD + join_side_stream(shared_TD)
         if losses:
             total = sum(self._weighted(losses).values()) * self.loss_scale(routing)
-            y_TD = MoEAuxLossAutoScaler.apply(y_TD, total)
+            y_TD = self.attach_losses(y_TD, total)
         return y_TD.view(S, B, D), None
 
     def routed_experts(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -104,11 +106,13 @@ class MoELayer(nn.Module):
         """Factor on the weighted balance losses before they are attached (1 here)."""
         return 1.0
 
+    def attach_losses(self, y_TD: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        """`y_TD` with the weighted balance losses attached to its gradient (weight 1)."""
+        return attach_loss(y_TD, total)
+
     def start_counting(self) -> None:
-        """Before a counted forward: if Megatron's finalize_model_grads consumed the routing
-        counts since the last one, a new step has begun and the tracker starts afresh."""
-        if self.router.counts_consumed_by_megatron:
-            self.router.load.reset()
+        """Before a counted forward (nothing here: `step_balancing` ends each step; a host
+        loop that never calls it tells step boundaries in its adapter)."""
 
     def report(self, routing: Routing, losses: dict[str, torch.Tensor]) -> None:
         """After a counted forward: hand its statistics to a host training loop's logging

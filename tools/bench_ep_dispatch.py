@@ -29,8 +29,8 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megamoe.config import DISPATCHERS  # noqa: E402
 from megamoe.errors import ConfigError, run_cli  # noqa: E402
+from megamoe.registry import DISPATCHERS  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PHASES = ("dispatch", "experts", "combine")

@@ -108,15 +108,15 @@ def main(argv=None):
     args = parse_args(argv)
     if args.tokens % 4:
         raise MegaMoEError(f"--tokens {args.tokens} must be a multiple of 4 (batch of 4)")
-    from megamoe.megatron.models import tiny_transformer_config
+    from megamoe.megatron.cpu import cpu_transformer_config
     from megamoe.megatron.moe_module import MegatronMoELayer
     from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 
     setup_megatron()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = DTYPES[args.dtype]
-    config = tiny_transformer_config(
-        hidden_size=args.hidden, num_attention_heads=8, ffn_hidden_size=args.ffn,
+    config = cpu_transformer_config(
+        num_layers=2, hidden_size=args.hidden, num_attention_heads=8, ffn_hidden_size=args.ffn,
         num_moe_experts=args.experts, moe_ffn_hidden_size=args.ffn, moe_router_topk=args.topk,
         moe_token_dispatcher_type="alltoall", gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, moe_aux_loss_coeff=1e-2,

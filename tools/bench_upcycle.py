@@ -49,15 +49,15 @@ def make_dense_checkpoint(directory: Path, layers: int, hidden: int, ffn: int, h
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megamoe.megatron.models import tiny_transformer_config
+    from megamoe.megatron.cpu import cpu_transformer_config
     from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 
     setup_megatron(seed=1)
     try:
-        config = tiny_transformer_config(num_layers=layers, hidden_size=hidden,
-                                         num_attention_heads=heads, ffn_hidden_size=ffn,
-                                         gated_linear_unit=True, activation_func=F.silu,
-                                         normalization="RMSNorm")
+        config = cpu_transformer_config(num_layers=layers, hidden_size=hidden,
+                                        num_attention_heads=heads, ffn_hidden_size=ffn,
+                                        gated_linear_unit=True, activation_func=F.silu,
+                                        normalization="RMSNorm")
         with torch.no_grad():
             model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
                 normalization="RMSNorm"), vocab_size=vocab, max_sequence_length=4096,

@@ -1,8 +1,11 @@
 """Routing study: the same small MoE trained under each router and balancer, and whether each
 paper's claim holds at this scale.
 
-    python tools/study_routing.py [--out docs/study_routing] [--quick] [--variants a,b,...]
+    python tools/study_routing.py [--out runs/study_routing] [--quick] [--variants a,b,...]
                                   [--runs DIR]
+
+Results go to runs/ unless `--out` says otherwise; the published full study is
+`--out docs/study_routing`, so a `--quick` check never overwrites it.
 
 Every variant trains the study's default model (a 4-layer GPT, first layer dense, 3 MoE layers
 of 8 experts, on the embedded corpus with 5% of its documents held out) with the same seed and
@@ -358,7 +361,9 @@ def plot(all_records: dict[str, list[dict]], out: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(ROOT / "docs" / "study_routing"))
+    parser.add_argument("--out", default=str(ROOT / "runs" / "study_routing"),
+                        help="result folder (default runs/study_routing; the published study: "
+                             "docs/study_routing)")
     parser.add_argument("--quick", action="store_true", help="a few steps per variant (CI)")
     parser.add_argument("--runs", help="train (and reuse finished runs) here, kept afterwards")
     parser.add_argument("--variants", default=",".join(VARIANTS),

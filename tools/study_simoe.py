@@ -1,6 +1,9 @@
 """SIMoE study: instruction-tune one small dense model four ways and check SIMoE's claims.
 
-    python tools/study_simoe.py [--out docs/study_simoe] [--quick] [--cache-dir DIR]
+    python tools/study_simoe.py [--out runs/study_simoe] [--quick] [--cache-dir DIR]
+
+Results go to runs/ unless `--out` says otherwise; the published full study is
+`--out docs/study_simoe`, so a `--quick` check never overwrites it.
 
 1. A dense GPT (configs/simoe_dense_seed.yaml) is pretrained on the embedded corpus.
 2. It is instruction-tuned on the seen task families of megamoe's generated instruction set
@@ -118,7 +121,7 @@ def _load_simoe(run_dir: Path):
     from megamoe.megatron.runtime import setup_megatron
     from megamoe.train.checkpoint import load_model_weights
     from megamoe.train.config import load_config
-    from megamoe.train.finetune import build_finetune_model
+    from megamoe.instruct.finetune import SIMoEFinetuning
     from megamoe.train.inputs import data_sources
     from megamoe.train.model import transformer_config
     from megamoe.train.tokenizer import SentencePieceTokenizer
@@ -127,8 +130,8 @@ def _load_simoe(run_dir: Path):
     if not parallel_state.model_parallel_is_initialized():
         setup_megatron(seed=config.training.seed)
     tokenizer = SentencePieceTokenizer(data_sources(config)[1])
-    (model,) = build_finetune_model(config, transformer_config(config, False, False),
-                                    tokenizer.vocab_size)
+    (model,) = SIMoEFinetuning().build_model(config, transformer_config(config, False, False),
+                                             tokenizer.vocab_size)
     load_model_weights(run_dir / "checkpoints", model, config)
     return model.eval(), tokenizer, config
 
@@ -311,7 +314,9 @@ def write(result: dict, out: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(ROOT / "docs" / "study_simoe"))
+    parser.add_argument("--out", default=str(ROOT / "runs" / "study_simoe"),
+                        help="result folder (default runs/study_simoe; the published study: "
+                             "docs/study_simoe)")
     parser.add_argument("--quick", action="store_true", help="a few steps per run (CI)")
     parser.add_argument("--cache-dir", help="data.cache_dir of every run (the default corpus)")
     args = parser.parse_args(argv)

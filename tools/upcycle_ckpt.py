@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.dense:
         from megamoe.interop.hf_dense import convert_hf_dense
-        from megamoe.interop.hf_source import is_hf_directory
+        from megamoe.checkpointing.hf_source import is_hf_directory
 
         if not is_hf_directory(Path(args.load)):
             raise ConfigError(f"--dense converts Hugging Face models; {args.load} has no "

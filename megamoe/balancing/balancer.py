@@ -75,9 +75,8 @@ def step_balancing(models: Union[nn.Module, Iterable[nn.Module]],
 
     Call it after the backward passes of all micro-batches, on every rank of the replica group.
     Every rank applies the same update to the same reduced counts, so biases stay identical.
-    Under Megatron's training loop with `moe_router_enable_expert_bias`, its finalize_model_grads
-    updates the biases itself (from `local_tokens_per_expert`); step_balancing is then not
-    needed, and if called afterwards it only reports the step's metrics and resets the trackers
+    When a host framework updated the biases itself (Megatron's finalize_model_grads, see
+    `Router.bias_updated_by_host`), it only reports the step's metrics and resets the trackers
     (it never updates a bias twice).
     """
     comm = replica_comm or SingleComm()
@@ -106,11 +105,11 @@ def step_balancing(models: Union[nn.Module, Iterable[nn.Module]],
         if router.training:
             _end_step(router, chunk, own_summed if own_size else None, metrics, name)
         bias_E = router.bias_E
-        if bias_E is not None and router.training and not router.counts_consumed_by_megatron:
+        if bias_E is not None and router.training and not router.bias_updated_by_host:
             with torch.no_grad():
                 bias_E += bias_update(chunk[:router.cfg.num_experts], router.cfg.bias_update_rate,
                                       router.cfg.bias_mean_centering)
-            router.clear_megatron_counts()
+            router.after_bias_update()
         router.load.reset()
     return metrics
 

@@ -94,3 +94,22 @@ def entropy_loss(probs_TE: torch.Tensor, selected_TE: torch.Tensor,
 
 def _at_least_one(num_tokens):
     return num_tokens.clamp_min(1.0) if torch.is_tensor(num_tokens) else max(float(num_tokens), 1.0)
+
+
+class AttachLoss(torch.autograd.Function):
+    """`attach_loss(output, loss)`: returns `output` unchanged, and in the backward pass gives
+    `loss` the gradient 1, so the loss trains the parameters it depends on as if it were added to
+    the objective while the forward value (and the reported LM loss) stays the same."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (loss,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(loss)
+
+
+attach_loss = AttachLoss.apply

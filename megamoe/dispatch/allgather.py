@@ -23,6 +23,7 @@ import torch
 
 from megamoe.dispatch.permute import Permutation, permute, sort_by_expert, unpermute
 from megamoe.parallel.comm import Comm, all_to_all
+from megamoe.registry import DISPATCHERS
 from megamoe.routing.base import Routing
 
 
@@ -35,6 +36,7 @@ class AllGatherState:
     tokens_per_rank: list[int]
 
 
+@DISPATCHERS.register("allgather")
 class AllGatherDispatcher:
     """Dispatch by gathering all tokens on every rank of `comm`; combine by reduce-scatter."""
 

@@ -17,6 +17,7 @@ import torch
 
 from megamoe.dispatch.permute import Permutation, permute, sort_by_expert, unpermute
 from megamoe.parallel.comm import Comm, all_to_all
+from megamoe.registry import DISPATCHERS
 from megamoe.routing.base import Routing
 
 
@@ -42,6 +43,7 @@ def expert_major_order(counts_RL: torch.Tensor) -> torch.Tensor:
     return torch.argsort(row_keys_N, stable=True)
 
 
+@DISPATCHERS.register("alltoall")
 class AllToAllDispatcher:
     """Dispatch to the experts of all ranks of `comm` with one all-to-all each way."""
 

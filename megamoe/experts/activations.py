@@ -10,6 +10,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from megamoe.registry import ACTIVATIONS
+
 
 class Activation(NamedTuple):
     forward: Callable[[torch.Tensor], torch.Tensor]
@@ -41,8 +43,6 @@ def squared_relu_backward(h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return grad * 2 * F.relu(h)
 
 
-ACTIVATIONS = {
-    "swiglu": Activation(swiglu, swiglu_backward),
-    "gelu": Activation(F.gelu, gelu_backward),
-    "squared_relu": Activation(squared_relu, squared_relu_backward),
-}
+ACTIVATIONS.add("swiglu", Activation(swiglu, swiglu_backward))
+ACTIVATIONS.add("gelu", Activation(F.gelu, gelu_backward))
+ACTIVATIONS.add("squared_relu", Activation(squared_relu, squared_relu_backward))

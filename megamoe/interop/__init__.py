@@ -1,8 +1,9 @@
-"""Interoperability with the checkpoints people have.
+"""Interoperability with the checkpoints people have (converters on top of `megamoe.checkpointing`'s
+readers and writer).
 
-- `hf_arch`, `hf_source`, `safetensors_io`: dense Hugging Face models (Llama, Mistral, Qwen2,
-  Qwen3) read layer by layer as an upcycling source (tools/upcycle_ckpt.py --load HF_DIR).
+- `hf_dense`: a dense Hugging Face model into a dense Megatron-Core checkpoint.
 - `hf_export`: megamoe MoE checkpoints written as Hugging Face Mixtral, Qwen2-MoE or Qwen3-MoE
   models (tools/export_hf.py).
-- `logits`: Hugging Face (transformers) logits against a megamoe checkpoint's, for `--verify`.
+- `deepspeed_import`, `deepspeed_moe`: Megatron-DeepSpeed MoE checkpoints into megamoe's, checked
+  against DeepSpeed's own MoE layer (tools/import_deepspeed_moe.py).
 """

@@ -18,16 +18,16 @@ from typing import Callable, Optional
 
 import torch
 
-from megamoe.paths import refuse_overlap
 from megamoe.atomic import atomic_directory
-from megamoe.interop.logits import require_within
+from megamoe.checkpointing.dcp_writer import StreamingCheckpointWriter
+from megamoe.checkpointing.deepspeed_source import FC1, FC2, DeepSpeedSource
+from megamoe.checkpointing.layout import RELEASE, TRACKER
 from megamoe.checkpointing.manifest import write_manifest
+from megamoe.checkpointing.readers import open_checkpoint
+from megamoe.checkpointing.sharded_keys import KeyLayout, whole_tensor
 from megamoe.errors import ConfigError
-from megamoe.interop.deepspeed_moe import FC1, FC2, DeepSpeedSource
-from megamoe.upcycle.convert import CHECKPOINT_SUBDIR
-from megamoe.upcycle.dcp_writer import StreamingCheckpointWriter
-from megamoe.upcycle.layout import KeyLayout, whole_tensor
-from megamoe.upcycle.source import TRACKER
+from megamoe.paths import refuse_overlap
+from megamoe.upcycle.hf_logits import require_within
 
 RECORD_FILE = "deepspeed_import.json"
 VERIFY_TOLERANCE = 1e-5
@@ -62,14 +62,14 @@ def import_deepspeed(load, save, topk: int, activation: str = "gelu", overwrite:
     refuse_overlap(save, [load])
     if activation not in ACTIVATIONS:
         raise ConfigError(f"--activation {activation!r} is not one of {list(ACTIVATIONS)}")
-    source = DeepSpeedSource(Path(load))
+    source = open_checkpoint(load, "deepspeed")
     if not 1 <= topk <= source.num_experts:
         raise ConfigError(f"--topk {topk} must be in 1..{source.num_experts} (the experts)")
     gated = activation == "swiglu"
     all_moe = len(source.moe_layers) == source.num_layers
     layout = KeyLayout("stacked" if all_moe else "per_layer", source.num_layers)
     with atomic_directory(save, overwrite=overwrite) as tmp:
-        checkpoint_dir = tmp / CHECKPOINT_SUBDIR
+        checkpoint_dir = tmp / RELEASE
         checkpoint_dir.mkdir()
         writer = StreamingCheckpointWriter(checkpoint_dir)
         ffn = None
@@ -89,7 +89,7 @@ def import_deepspeed(load, save, topk: int, activation: str = "gelu", overwrite:
                                          for i in range(source.num_layers)]}}
         writer.finish({"checkpoint_version": 3.0, "iteration": 0, "deepspeed_import": record})
         write_manifest(checkpoint_dir)
-        (tmp / TRACKER).write_text(CHECKPOINT_SUBDIR)
+        (tmp / TRACKER).write_text(RELEASE)
         (tmp / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
         log(f"converted {source.directory}: {source.num_layers} layers, MoE layers "
             f"{source.moe_layers}, {source.num_experts} experts, {writer.bytes_written / 2**20:.1f}"
@@ -103,7 +103,7 @@ def _verify(source: DeepSpeedSource, checkpoint_dir: Path, topk: int, activation
     from megamoe.config import MoEConfig
     from megamoe.interop.deepspeed_moe import deepspeed_moe_layer, init_deepspeed_comm
     from megamoe.layer import MoELayer
-    from megamoe.upcycle.dist_source import DistSource
+    from megamoe.checkpointing.dist_source import DistSource
 
     init_deepspeed_comm()
     output = DistSource(checkpoint_dir, moe=True)

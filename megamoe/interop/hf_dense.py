@@ -1,8 +1,8 @@
 """Plain dense conversion: a Hugging Face model (Llama, Mistral, Qwen2, Qwen3) into a dense
 Megatron-Core torch_dist checkpoint, for continuing dense pretraining with Megatron-LM first.
 
-The same layer-by-layer stream as the upcycler (megamoe.interop.hf_source -> the upcycler's
-streaming DCP writer), stacked keys, and Megatron-LM's `args` in the common state (so
+The same layer-by-layer stream as the upcycler (megamoe.checkpointing.hf_source ->
+megamoe.checkpointing.dcp_writer), stacked keys, and Megatron-LM's `args` in the common state (so
 `--use-checkpoint-args` and a later `tools/upcycle_ckpt.py --load OUT --verify` find the head
 counts, RoPE and norm settings). `verify` compares the Hugging Face model's logits with
 Megatron-Core's own dense GPTModel (local spec, CPU, fp32) loaded from the output.
@@ -14,16 +14,17 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from megamoe.paths import refuse_overlap
 from megamoe.atomic import atomic_directory
-from megamoe.interop.logits import require_within
+from megamoe.checkpointing.dcp_writer import StreamingCheckpointWriter
+from megamoe.checkpointing.hf_source import HFSource
+from megamoe.checkpointing.layout import RELEASE, TRACKER
 from megamoe.checkpointing.manifest import write_manifest
-from megamoe.interop.hf_source import HFSource
-from megamoe.upcycle.convert import CHECKPOINT_SUBDIR, VERIFY_TOLERANCE
-from megamoe.upcycle.dcp_writer import StreamingCheckpointWriter
-from megamoe.upcycle.layout import KeyLayout, whole_tensor
+from megamoe.checkpointing.readers import open_checkpoint
+from megamoe.checkpointing.sharded_keys import KeyLayout, whole_tensor
+from megamoe.paths import refuse_overlap
+from megamoe.upcycle.convert import VERIFY_TOLERANCE
+from megamoe.upcycle.hf_logits import require_within
 from megamoe.upcycle.moe_layer import dense_layer_items
-from megamoe.upcycle.source import TRACKER
 
 
 def megatron_lm_args(source: HFSource) -> argparse.Namespace:
@@ -68,11 +69,11 @@ def convert_hf_dense(load, save, overwrite: bool = False, verify: bool = False,
     (Megatron-LM layout: tracker + `release/`); returns the verify figure when asked."""
     load = Path(load)
     refuse_overlap(save, [load])
-    source = HFSource(load)
+    source = open_checkpoint(load, "hf_safetensors")
     layout = KeyLayout("stacked", source.num_layers)
     start = time.perf_counter()
     with atomic_directory(save, overwrite=overwrite) as tmp:
-        checkpoint_dir = tmp / CHECKPOINT_SUBDIR
+        checkpoint_dir = tmp / RELEASE
         checkpoint_dir.mkdir()
         writer = StreamingCheckpointWriter(checkpoint_dir)
         for index in range(source.num_layers):
@@ -81,7 +82,7 @@ def convert_hf_dense(load, save, overwrite: bool = False, verify: bool = False,
         args = megatron_lm_args(source)
         writer.finish({"checkpoint_version": 3.0, "iteration": 0, "args": args})
         write_manifest(checkpoint_dir)
-        (tmp / TRACKER).write_text(CHECKPOINT_SUBDIR)
+        (tmp / TRACKER).write_text(RELEASE)
         log(f"converted {source.description} to a dense Megatron-Core checkpoint: "
             f"{writer.bytes_written / 2**20:.1f} MiB in {time.perf_counter() - start:.1f} s")
         log(f"train with Megatron-LM: {megatron_lm_flags(args)}")
@@ -92,11 +93,11 @@ def convert_hf_dense(load, save, overwrite: bool = False, verify: bool = False,
 def _verify(source: HFSource, checkpoint_dir: Path, log: Callable[[str], None]) -> float:
     from megatron.core import parallel_state
 
-    from megamoe.interop.logits import hf_logits, load_hf_model, sample_tokens
+    from megamoe.upcycle.hf_logits import hf_logits, load_hf_model, sample_tokens
     from megamoe.megatron.runtime import setup_megatron, teardown_megatron
     from megamoe.upcycle.arch import dense_arch
-    from megamoe.upcycle.dist_source import DistSource
-    from megamoe.upcycle.verify import _build, _load_dist, _logits
+    from megamoe.checkpointing.dist_source import DistSource
+    from megamoe.upcycle.verify import build_reference_gpt, gpt_logits, load_dist_weights
 
     hf = load_hf_model(source.directory)
     tokens = sample_tokens(hf.config.vocab_size)
@@ -111,9 +112,9 @@ def _verify(source: HFSource, checkpoint_dir: Path, log: Callable[[str], None]) 
     if own_state:
         setup_megatron()
     try:
-        model = _build(arch, None)
-        _load_dist(model, checkpoint_dir, "stacked")
-        diff = float((reference - _logits(model, tokens)).abs().max())
+        model = build_reference_gpt(arch, None)
+        load_dist_weights(model, checkpoint_dir, "stacked")
+        diff = float((reference - gpt_logits(model, tokens)).abs().max())
     finally:
         if own_state:
             teardown_megatron()

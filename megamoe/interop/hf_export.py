@@ -5,13 +5,13 @@ holds the run's `config`, or tools/upcycle_ckpt.py's output from a Hugging Face 
 common state holds `megamoe_model`). The architecture is taken from those `model`/`moe`
 sections; what the target architecture cannot express is refused in one line before anything
 is written (`check_expressible`). Tensors are read one layer at a time through DCP
-(megamoe.upcycle.dist_source, any key layout) and written into size-bounded safetensors shards
-(megamoe.interop.safetensors_io), so memory holds one layer plus one shard.
+(megamoe.checkpointing.dist_source, any key layout) and written into size-bounded safetensors
+shards (megamoe.checkpointing.safetensors_io), so memory holds one layer plus one shard.
 
 Key mapping, layer l (`model.layers.{l}.`), Megatron -> Hugging Face (hub layout, per expert):
 - `self_attention.linear_qkv.layer_norm_weight` -> `input_layernorm.weight`
 - `self_attention.linear_qkv.weight|bias` -> `self_attn.{q,k,v}_proj.weight|bias`
-  (megamoe.interop.hf_source.split_qkv); Qwen2-MoE always has QKV biases (zeros when absent)
+  (megamoe.checkpointing.hf_source.split_qkv); Qwen2-MoE always has QKV biases (zeros when absent)
 - `self_attention.linear_proj.weight` -> `self_attn.o_proj.weight`
 - `self_attention.{q,k}_layernorm.weight` -> `self_attn.{q,k}_norm.weight` (Qwen3-MoE)
 - `mlp.linear_fc1.layer_norm_weight` (or `pre_mlp_layernorm.weight`) -> `post_attention_layernorm`
@@ -33,12 +33,12 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from megamoe.atomic import atomic_directory
-from megamoe.interop.logits import require_within
+from megamoe.checkpointing.hf_arch import HFArch
+from megamoe.checkpointing.hf_source import TOKENIZER_FILES, split_qkv
+from megamoe.checkpointing.safetensors_io import ShardedSafetensorsWriter
 from megamoe.errors import CheckpointError, ConfigError
 from megamoe.paths import inside, refuse_overlap
-from megamoe.interop.hf_arch import HFArch
-from megamoe.interop.hf_source import TOKENIZER_FILES, split_qkv
-from megamoe.interop.safetensors_io import ShardedSafetensorsWriter
+from megamoe.upcycle.hf_logits import require_within
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
@@ -70,11 +70,11 @@ def _model_sections(common: dict, folder: Path) -> dict:
 
 def _layer_kinds(config) -> list[bool]:
     from megamoe.megatron.specs import moe_layer_pattern
-    from megamoe.train.model import _moe_layer_freq
+    from megamoe.train.model import moe_layer_freq
     from types import SimpleNamespace
 
     m = config.model
-    return moe_layer_pattern(SimpleNamespace(moe_layer_freq=_moe_layer_freq(config),
+    return moe_layer_pattern(SimpleNamespace(moe_layer_freq=moe_layer_freq(config),
                                              num_layers=m.num_layers))
 
 
@@ -277,7 +277,7 @@ def export_hf(load, save, arch: Optional[str] = None, tokenizer=None, overwrite:
     from megamoe.checkpointing.safe_dcp import load_common_state
     from megamoe.train.checkpoint import resolve_weights_dir
     from megamoe.train.config import config_from_dict
-    from megamoe.upcycle.dist_source import DistSource
+    from megamoe.checkpointing.dist_source import DistSource
 
     refuse_overlap(save, [load, tokenizer])
     folder = resolve_weights_dir(load)
@@ -319,7 +319,7 @@ def export_hf(load, save, arch: Optional[str] = None, tokenizer=None, overwrite:
 
 
 def _verify(out: Path, folder: Path, sections: dict, log: Callable[[str], None]) -> float:
-    from megamoe.interop.logits import hf_logits, load_hf_model, megamoe_logits, sample_tokens
+    from megamoe.upcycle.hf_logits import hf_logits, load_hf_model, megamoe_logits, sample_tokens
 
     hf = load_hf_model(out)
     tokens = sample_tokens(hf.config.vocab_size)

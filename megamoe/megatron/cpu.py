@@ -4,14 +4,16 @@ Megatron-Core assumes CUDA in a handful of places that a GPTModel built from the
 spec (including Megatron's own MoE layer: TopKRouter, SequentialMLP, all-to-all dispatcher)
 reaches on CPU with the gloo backend. `enable_megatron_on_cpu()` replaces exactly those places
 with CPU equivalents. It is never applied on import, applies each override at most once, and
-does nothing on a machine with CUDA. Checked against megatron-core 0.16.1 and 0.19.2.
+does nothing on a machine with CUDA. Checked against megatron-core 0.16.1 and 0.19.2. (What
+breaks without apex or Transformer Engine on any device, torch's Adam among it, is repaired by
+`megamoe.megatron.local_fallbacks`.)
 
 What is not overridden, and how to avoid it instead:
 - `attention_mask=None` makes local attention build its causal mask on "cuda": pass an explicit
-  mask (`megamoe.megatron.models.causal_attention_mask`).
+  mask (`megamoe.megatron.masks.causal_attention_mask`).
 - `use_cpu_initialization=False` allocates weights on the current CUDA device, and
   `add_bias_linear=True` trips an in-place-on-view autograd error in the MLP on CPU: set
-  `use_cpu_initialization=True, add_bias_linear=False` (`models.tiny_transformer_config` does).
+  `use_cpu_initialization=True, add_bias_linear=False` (the tests' `tiny_transformer_config` does).
 
 Megatron-Core's training components (DistributedDataParallel and its gradient buffers, the
 distributed optimizer, gradient clipping, the pipeline schedules and their point-to-point
@@ -23,7 +25,6 @@ allocation on the CPU and lets the type checks accept the CPU types; set
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import inspect
 import logging
@@ -294,143 +295,6 @@ def _patch_rotary_device() -> None:
     _allocate_on_cpu(RotaryEmbedding, "get_emb")
 
 
-def _patch_missing_te_general_gemm() -> None:
-    """Define `moe_utils.te_general_gemm = None` when it is missing (0.16.1 only).
-
-    0.16.1 imports it only when Transformer Engine imports, yet the router's gating GEMM tests
-    `te_general_gemm is not None`, a NameError without TE. 0.19.x binds it to None itself.
-    """
-    from megatron.core.transformer.moe import moe_utils
-
-    if compat.te_general_gemm_missing():
-        moe_utils.te_general_gemm = None
-
-
-def _patch_sequence_parallel_norm() -> None:
-    """Torch norms under sequence parallelism (0.16.1, 0.19.2: `transformer/torch_norm.py`).
-
-    Without apex or Transformer Engine the local spec's norm is `WrappedTorchNorm`, which
-    asserts `not config.sequence_parallel`. A norm is elementwise over the hidden axis, so it
-    works on each tensor-parallel rank's share of the sequence as it is; what sequence
-    parallelism needs is what Megatron's fused norms do: mark the weights
-    `sequence_parallel=True`, so `finalize_model_grads` sums their gradients over the
-    tensor-parallel group.
-    """
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    new = WrappedTorchNorm.__new__
-
-    def new_with_sequence_parallel(cls, config, *args, **kwargs):
-        if not config.sequence_parallel:
-            return new(cls, config, *args, **kwargs)
-        norm = new(cls, _without_sequence_parallel(config), *args, **kwargs)
-        for param in norm.parameters():
-            param.sequence_parallel = True
-        return norm
-
-    WrappedTorchNorm.__new__ = staticmethod(new_with_sequence_parallel)
-
-
-def _patch_checkpoint_without_output() -> None:
-    """Output-discarding recomputation without Transformer Engine (0.16.1, 0.19.2:
-    `tensor_parallel/random.py`).
-
-    `CheckpointWithoutOutput.__init__` sets `self.fp8 = fp8 is not None`, true for the default
-    `fp8=False`, so selective recompute of `layernorm` (and `moe_act`) reaches Transformer
-    Engine's `FP8GlobalStateManager`, a NameError without it. Without Transformer Engine there
-    is no fp8: the flag is cleared after construction.
-    """
-    from megatron.core.tensor_parallel import random as mrandom
-
-    if getattr(mrandom, "HAVE_TE", False):
-        return
-    init = mrandom.CheckpointWithoutOutput.__init__
-
-    def init_without_fp8(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.fp8 = False
-
-    mrandom.CheckpointWithoutOutput.__init__ = init_without_fp8
-
-
-def _patch_torch_adam_checkpoints() -> None:
-    """Distributed-optimizer checkpoints with torch's Adam, which keeps its step in the
-    per-parameter state (0.16.1, 0.19.2: `optimizer/distrib_optimizer.py`; without apex or
-    Transformer Engine, whose fused Adam keeps it in the parameter groups).
-
-    - Loading: `load_state_dict` gives every parameter's state the same `step` tensor, which
-      torch's Adam then increments in place once per parameter and step (after a resume the
-      bias correction runs ahead): each parameter gets its own copy. And
-      `_set_main_param_and_optimizer_states` copies every state entry, `step` included, from
-      the checkpoint's tensors, which hold no `step` (it comes from the parameter groups): a
-      KeyError. The step is left out of that copy.
-    - Saving: every rank builds the expert optimizer (its norm is reduced over all of them), so
-      a pipeline stage without MoE layers (dense-first layers) holds one with no parameters and
-      no state. `DistributedOptimizer.state_dict` asserts on its empty step set, and the step it
-      records is what rank 0's common state carries into every loading rank. Such an optimizer
-      reports the step of its ChainedOptimizer's other optimizers (all step together).
-    """
-    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
-    from megatron.core.optimizer.optimizer import ChainedOptimizer
-
-    if HAVE_APEX_OR_TE:
-        return
-    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
-
-    def set_states_but_step(self, model_param, tensors):
-        group, order = self.model_param_group_index_map[model_param]
-        state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
-        step = state.pop("step", None)
-        try:
-            set_states(self, model_param, tensors)
-        finally:
-            if step is not None:
-                state["step"] = step
-
-    load_state_dict = DistributedOptimizer.load_state_dict
-
-    def load_state_dict_with_own_steps(self, state_dict):
-        load_state_dict(self, state_dict)
-        for state in self.optimizer.state.values() if self.optimizer is not None else ():
-            if "step" in state:
-                state["step"] = state["step"].clone()
-
-    state_dict = DistributedOptimizer.state_dict
-
-    def state_dict_allowing_empty(self):
-        if self.optimizer is None or self.optimizer.state:
-            return state_dict(self)
-        step = getattr(self, "chained_step", 0)
-        groups = [{**{k: v for k, v in group.items() if k != "params"}, "step": step}
-                  for group in self.optimizer.state_dict()["param_groups"]]
-        result = {"optimizer": {"param_groups": groups}}
-        if self.grad_scaler:
-            result["grad_scaler"] = self.grad_scaler.state_dict()
-        return result
-
-    sharded_state_dict = ChainedOptimizer.sharded_state_dict
-
-    def sharded_state_dict_sharing_step(self, *args, **kwargs):
-        steps = {float(state["step"]) for optimizer in self.chained_optimizers
-                 if getattr(optimizer, "optimizer", None) is not None
-                 for state in optimizer.optimizer.state.values()}
-        for optimizer in self.chained_optimizers:
-            optimizer.chained_step = max(steps, default=0.0)
-        return sharded_state_dict(self, *args, **kwargs)
-
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_states_but_step
-    DistributedOptimizer.load_state_dict = load_state_dict_with_own_steps
-    DistributedOptimizer.state_dict = state_dict_allowing_empty
-    ChainedOptimizer.sharded_state_dict = sharded_state_dict_sharing_step
-
-
-def _without_sequence_parallel(config):
-    """A shallow copy of `config` with `sequence_parallel=False` (no re-validation)."""
-    plain = copy.copy(config)
-    plain.sequence_parallel = False
-    return plain
-
-
 _OVERRIDES: dict[str, Callable[[], None]] = {
     "rng_tracker": _patch_rng_tracker,
     "memory_buffer_device": _patch_memory_buffer_device,
@@ -439,20 +303,7 @@ _OVERRIDES: dict[str, Callable[[], None]] = {
     "collectives_device": _patch_collectives_device,
     "checkpoint_save": _patch_checkpoint_save,
     "rotary_device": _patch_rotary_device,
-    "te_general_gemm": _patch_missing_te_general_gemm,
-    "sequence_parallel_norm": _patch_sequence_parallel_norm,
-    "checkpoint_without_output": _patch_checkpoint_without_output,
-    "torch_adam_checkpoints": _patch_torch_adam_checkpoints,
 }
-
-
-def fix_torch_adam_checkpoints() -> None:
-    """The torch-Adam checkpoint overrides (`_patch_torch_adam_checkpoints`) on any device:
-    they apply wherever Megatron-Core falls back to torch's Adam (no apex, no Transformer
-    Engine), GPUs included. Idempotent."""
-    if "torch_adam_checkpoints" not in _APPLIED:
-        _patch_torch_adam_checkpoints()
-        _APPLIED.append("torch_adam_checkpoints")
 
 
 def enable_megatron_on_cpu() -> list[str]:
@@ -468,3 +319,13 @@ def enable_megatron_on_cpu() -> list[str]:
             apply()
             _APPLIED.append(name)
     return list(_APPLIED)
+
+
+def cpu_transformer_config(**fields):
+    """A Megatron-Core TransformerConfig of `fields` that its local modules can run on the CPU:
+    weights initialised on the CPU, no linear biases (see the module docstring), fp32 unless
+    `fields` say otherwise."""
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(**{"use_cpu_initialization": True, "add_bias_linear": False,
+                                "params_dtype": torch.float32, **fields})

@@ -1,7 +1,7 @@
 """What megamoe does with every `moe_*` field of Megatron-Core's TransformerConfig.
 
 Each field is in exactly one class:
-- HONOURED: read by `MoEConfig.from_transformer_config`, by the specs (`moe_layer_freq`) or by
+- HONOURED: read by `moe_config_from_transformer_config`, by the specs (`moe_layer_freq`) or by
   Megatron's own training loop around megamoe layers (logging, the aux-loss scale).
 - NO_EFFECT: kernel, fusion, overlap or flex-dispatcher tuning; megamoe computes the same
   function with its own kernels, so any value is accepted.
@@ -15,7 +15,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch.nn.functional as F
+
+from megamoe.config import BALANCE_LOSSES, BIAS, MoEConfig
 from megamoe.errors import ConfigError
+from megamoe.registry import DISPATCHERS
 
 HONOURED = frozenset({
     "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk", "moe_router_score_function",
@@ -74,8 +78,6 @@ REFUSED: dict[str, str] = {
     "moe_single_grouped_weight": f"megamoe always stacks expert weights; {_OFF}",
 }
 
-DISPATCHER_TYPES = ("alltoall", "allgather")
-
 
 def classify(name: str) -> str:
     """'honoured', 'no_effect', 'refused' or 'unknown' for a TransformerConfig field name."""
@@ -100,10 +102,10 @@ def check_megatron_fields(tc: Any) -> None:
     """Raise ConfigError for the first Megatron MoE setting megamoe would otherwise drop: a
     refused or unknown `moe_*` field away from its default, the flex dispatcher, or linear
     biases in the experts (`add_bias_linear`)."""
-    if getattr(tc, "moe_token_dispatcher_type", "alltoall") not in DISPATCHER_TYPES:
+    if getattr(tc, "moe_token_dispatcher_type", "alltoall") not in DISPATCHERS:
         raise ConfigError(
             f"moe_token_dispatcher_type={tc.moe_token_dispatcher_type!r} is not supported by "
-            f"megamoe; use one of {list(DISPATCHER_TYPES)}"
+            f"megamoe; use one of {list(DISPATCHERS.names())}"
         )
     if getattr(tc, "add_bias_linear", False):
         raise ConfigError(
@@ -125,3 +127,96 @@ def check_megatron_fields(tc: Any) -> None:
             f"{field.name}={value!r} is a Megatron-Core setting megamoe does not know (newer "
             "megatron-core?); leave it at its default or use a megamoe release that supports it"
         )
+
+
+def moe_config_from_transformer_config(tc: Any, **overrides: Any) -> MoEConfig:
+    """Build from a Megatron-Core TransformerConfig's `moe_*` fields, then apply `overrides`.
+
+    Every `moe_*` field of the installed TransformerConfig is honoured or, when set to a
+    value megamoe cannot honour, refused with a ConfigError naming the field and the fix
+    (`check_megatron_fields`). `moe_router_enable_expert_bias` adds `bias` to the
+    load-balancing losses of `moe_router_load_balancing_type` (one weight each from
+    `moe_aux_loss_coeff`).
+    """
+    if tc.num_moe_experts is None:
+        raise ConfigError(
+            "TransformerConfig.num_moe_experts is None; set --num-experts to build an MoE layer"
+        )
+    check_megatron_fields(tc)
+    balancing, coeffs = _balancing_from_megatron(tc)
+    values = dict(
+        hidden_size=tc.hidden_size,
+        num_experts=tc.num_moe_experts,
+        ffn_hidden_size=tc.moe_ffn_hidden_size or tc.ffn_hidden_size,
+        topk=tc.moe_router_topk,
+        score_function=tc.moe_router_score_function,
+        pre_softmax=tc.moe_router_pre_softmax,
+        topk_scaling_factor=tc.moe_router_topk_scaling_factor,
+        num_groups=tc.moe_router_num_groups,
+        groups_per_token=tc.moe_router_group_topk,
+        balancing=balancing,
+        bias_update_rate=tc.moe_router_bias_update_rate,
+        z_loss_coeff=tc.moe_z_loss_coeff or 0.0,
+        capacity_factor=tc.moe_expert_capacity_factor,
+        drop_policy=tc.moe_token_drop_policy,
+        activation=_activation_from_megatron(tc),
+        shared_expert_ffn_size=tc.moe_shared_expert_intermediate_size,
+        shared_expert_gate=tc.moe_shared_expert_gate,
+        router_dtype=tc.moe_router_dtype or "fp32",
+        dispatcher=tc.moe_token_dispatcher_type,
+        input_jitter_eps=tc.moe_input_jitter_eps,
+        init_method_std=tc.init_method_std,
+    )
+    if coeffs:  # else MoEConfig's default weight, for losses the overrides turn on
+        values["aux_loss_coeff"] = coeffs[0] if len(coeffs) == 1 else coeffs
+    values.update(overrides)
+    unknown = set(values) - {f.name for f in dataclasses.fields(MoEConfig)}
+    if unknown:
+        raise ConfigError(f"unknown MoEConfig field(s) {sorted(unknown)}; see megamoe.MoEConfig")
+    return MoEConfig(**values)
+
+
+def _balancing_from_megatron(tc: Any) -> tuple[list[str], list[float]]:
+    """(balancing, aux_loss_coeff) from Megatron's load-balancing type(s), coefficient(s) and
+    expert-bias flag. A loss whose coefficient is 0 is off, as in Megatron's router."""
+    kinds = tc.moe_router_load_balancing_type
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    coeffs = tc.moe_aux_loss_coeff
+    coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)
+    if len(coeffs) != len(kinds):
+        raise ConfigError(
+            f"moe_aux_loss_coeff={coeffs} has {len(coeffs)} values for "
+            f"moe_router_load_balancing_type={kinds}; give one coefficient per type"
+        )
+    balancing, weights = [], []
+    for kind, coeff in zip(kinds, coeffs):
+        if kind == "none":
+            continue
+        if kind not in BALANCE_LOSSES:
+            raise ConfigError(
+                f"moe_router_load_balancing_type={kind!r} is not supported by megamoe; use "
+                f"{list(BALANCE_LOSSES) + ['none']} and/or --moe-router-enable-expert-bias"
+            )
+        if coeff > 0:
+            balancing.append(kind)
+            weights.append(float(coeff))
+    if tc.moe_router_enable_expert_bias:
+        balancing.insert(0, BIAS)
+    return balancing or ["none"], weights
+
+
+def _activation_from_megatron(tc: Any) -> str:
+    name = getattr(tc.activation_func, "__name__", str(tc.activation_func))
+    if tc.gated_linear_unit:
+        if tc.activation_func is F.silu:
+            return "swiglu"
+        raise ConfigError(
+            f"gated activation {name!r} is not supported; use activation_func=F.silu (swiglu)"
+        )
+    if tc.activation_func is F.gelu:
+        return "gelu"
+    if "squared_relu" in name:
+        return "squared_relu"
+    raise ConfigError(
+        f"activation {name!r} is not supported; use swiglu (gated silu), gelu or squared_relu"
+    )

@@ -2,7 +2,7 @@
 
 TransformerLayer builds the mlp module with `config` (0.16) or `config, pg_collection,
 is_mtp_layer, name` (0.19), plus the spec's `params`. `MegatronMoELayer` accepts both, reads the
-user's `moe_*` settings from the TransformerConfig (`MoEConfig.from_transformer_config`) with the
+user's `moe_*` settings from the TransformerConfig (`moe_config_from_transformer_config`) with the
 spec's `moe` overrides on top, and takes its process groups from the pg_collection (or
 Megatron's parallel_state). Its `sharded_state_dict` writes Megatron-Core's own MoE checkpoint
 layout with experts keyed by global id (`megamoe.megatron.sharded_state`).
@@ -20,16 +20,18 @@ import functools
 from typing import Any, Optional
 
 from megatron.core import tensor_parallel
-from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_default_pg_collection
 
 from megamoe.balancing import step_balancing
 from megamoe.config import MoEConfig
 from megamoe.errors import ConfigError
 from megamoe.layer import MoELayer
+from megamoe.megatron.fields import moe_config_from_transformer_config
+from megamoe.megatron.router_counts import megatron_router
 from megamoe.megatron.sharded_state import drop_extra_state_placeholders, moe_sharded_state_dict
 from megamoe.megatron.tracker import CLOCK, report_load_metrics, save_layer_statistics
 from megamoe.parallel.comm import SingleComm, as_comm
-from megamoe.routing import Routing
+from megamoe.routing import ROUTERS, Routing
 
 
 class MegatronMoELayer(MoELayer):
@@ -43,16 +45,16 @@ class MegatronMoELayer(MoELayer):
     def __init__(self, config: Any, submodules: Any = None, layer_number: Optional[int] = None,
                  pg_collection: Any = None, is_mtp_layer: bool = False, name: Optional[str] = None,
                  moe: Optional[dict] = None, bias_width: Optional[int] = None):
-        cfg = MoEConfig.from_transformer_config(config, **(moe or {}))
+        cfg = moe_config_from_transformer_config(config, **(moe or {}))
         pgs = pg_collection if pg_collection is not None else get_default_pg_collection()
         _check_supported_parallelism(config, pgs)
         _check_megatron_bias_update(config, cfg)
         tp = pgs.tp.size() if pgs.tp is not None else 1
+        self._bias_width = bias_width
         super().__init__(cfg, ep_comm=as_comm(pgs.ep), replica_comm=as_comm(pgs.tp_dp_cp),
                          init_method=config.init_method,
                          output_init_method=config.output_layer_init_method,
-                         token_comm=as_comm(pgs.tp) if tp > 1 else SingleComm(),
-                         bias_width=bias_width)
+                         token_comm=as_comm(pgs.tp) if tp > 1 else SingleComm())
         self._generation = CLOCK.tick()
         report_load_metrics()
         self.config = config
@@ -79,8 +81,18 @@ class MegatronMoELayer(MoELayer):
                 functools.partial(super().forward, padding_mask=padding_mask), False, hidden_SBD)
         return super().forward(hidden_SBD, padding_mask)
 
+    def make_router(self, cfg: MoEConfig, init_method):
+        """The configured router with Megatron's bias-update contract
+        (`megamoe.megatron.router_counts`)."""
+        return megatron_router(ROUTERS[cfg.router_type])(cfg, init_method, self._bias_width)
+
+    def attach_losses(self, y_TD, total):
+        """Megatron-Core's MoEAuxLossAutoScaler, whose scale Megatron's pipeline schedules set."""
+        return MoEAuxLossAutoScaler.apply(y_TD, total)
+
     def start_counting(self) -> None:
-        """A new step also begins when Megatron-LM's logging zeroed its MoE tracker. Megatron-LM's
+        """A new step begins when Megatron's finalize_model_grads consumed the routing counts
+        (`bias_updated_by_host`) or when Megatron-LM's logging zeroed its MoE tracker. Megatron-LM's
         loop never calls `step_balancing`, so what only it applies (expert thresholds, the
         adaptive aux coefficient, a bias Megatron does not update) is applied here, from the
         last step's counts reduced over the router's replicas: the values the next forward sees
@@ -91,7 +103,8 @@ class MegatronMoELayer(MoELayer):
             if self.router.step_pending():
                 step_balancing(self, self.replica_comm)
             self.router.load.reset()
-        super().start_counting()
+        elif self.router.bias_updated_by_host:
+            self.router.load.reset()
 
     def loss_scale(self, routing: Routing):
         """With `calculate_per_token_loss` Megatron divides every gradient by the step's token

@@ -11,6 +11,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from megamoe.errors import ConfigError
 from megamoe.megatron.cpu import enable_megatron_on_cpu
+from megamoe.megatron.local_fallbacks import enable_local_fallbacks
 
 # Whether the default process group was created by setup_megatron (and so is ours to destroy).
 _OWN_PROCESS_GROUP = False
@@ -61,9 +62,9 @@ def setup_megatron(
 ) -> None:
     """Initialise torch.distributed (if needed), Megatron's parallel groups and its RNG states.
 
-    Without CUDA this first applies `enable_megatron_on_cpu()`. A process group that already
-    exists is used as is; otherwise one is created (env:// when RANK and WORLD_SIZE are set, else
-    a single process). Collectives that wait longer than `timeout_s` (a dead rank) raise instead
+    It first applies `enable_local_fallbacks()` and, without CUDA, `enable_megatron_on_cpu()`.
+    A process group that already exists is used as is; otherwise one is created (env:// when
+    RANK and WORLD_SIZE are set, else a single process). Collectives that wait longer than `timeout_s` (a dead rank) raise instead
     of hanging. Seeds the CPU generator (CPU weight initialisation) and Megatron's tracked
     data-, tensor- and expert-parallel RNG states with `seed`.
     """
@@ -71,6 +72,7 @@ def setup_megatron(
         raise ConfigError(
             "Megatron's model-parallel state is already initialised; call teardown_megatron() first"
         )
+    enable_local_fallbacks()
     if not torch.cuda.is_available():
         enable_megatron_on_cpu()
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -1,7 +1,5 @@
-"""Process-group handles (`Comm`) and an in-process mock of N expert-parallel ranks."""
+"""Process-group handles (`Comm`): torch.distributed groups, a group of one, the collectives."""
 from megamoe.parallel.comm import (CollectiveError, Comm, SingleComm, TorchComm, all_to_all,
                                    as_comm)
-from megamoe.parallel.mock import MockComm, MockWorld, expert_parallel_replica, run_ranks
 
-__all__ = ["CollectiveError", "Comm", "MockComm", "MockWorld", "SingleComm", "TorchComm",
-           "all_to_all", "as_comm", "expert_parallel_replica", "run_ranks"]
+__all__ = ["CollectiveError", "Comm", "SingleComm", "TorchComm", "all_to_all", "as_comm"]

@@ -1,8 +1,8 @@
 """The collectives megamoe needs, behind one small interface.
 
 `TorchComm` wraps a torch.distributed process group (NCCL or gloo), `SingleComm` is a group of
-one, and `megamoe.parallel.mock.MockComm` runs N ranks as threads of one process. Dispatchers and
-the balancer only see `Comm`, so the same code runs in all three.
+one, and the tests' `MockComm` (tests/mock_ranks.py) runs N ranks as threads of one process.
+Dispatchers and the balancer only see `Comm`, so the same code runs in all three.
 """
 from __future__ import annotations
 

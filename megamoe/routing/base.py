@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from megamoe.balancing.tracker import LoadTracker
 from megamoe.config import MoEConfig
-from megamoe.errors import ConfigError
 from megamoe.parallel.comm import Comm, SingleComm
 
 
@@ -61,33 +60,24 @@ class Router(nn.Module):
     (expert thresholds) implements `step_sums` and `end_step`, which `step_balancing` calls;
     one that changes the layer's output form (BASE) overrides `mix_output`. `group_comm` is the
     expert-parallel group (set by the MoE layer): routers that solve one assignment over the
-    whole group's tokens (Sinkhorn, BASE) gather their logits over it. The expert bias (arXiv 2408.15664) lives in the fp32
-    buffer `expert_bias`; it steers selection only and is updated once per optimizer step, never
-    by gradients: by `megamoe.balancing.step_balancing`, or by Megatron-Core's
-    `finalize_model_grads`, which duck-types routers by their `expert_bias` and
-    `local_tokens_per_expert` buffers (a router without a bias has neither attribute).
+    whole group's tokens (Sinkhorn, BASE) gather their logits over it. The expert bias (arXiv
+    2408.15664) lives in the fp32 buffer `expert_bias`; it steers selection only and is updated
+    once per optimizer step, never by gradients, by `megamoe.balancing.step_balancing`.
 
-    Megatron stacks the buffers of every router it finds, so they must all have one width.
-    `bias_width` W > E (the widest router of a model with different expert counts) pads both:
-    `local_tokens_per_expert` then holds E * c_i for the real experts and sum(c) in the padding,
-    so Megatron's rule `b += u * sign(mean - x)` computes exactly u * sign(mean(c) - c_i) for
-    the real experts and leaves the padding at 0. The state dict holds the real [E] bias only.
+    A host training framework that updates the bias itself (Megatron-Core's finalize_model_grads,
+    `megamoe.megatron.router_counts`) extends a router through three hooks: `record` (count the
+    routing for it too), `bias_updated_by_host` (the step's bias update already happened) and
+    `after_bias_update` (after megamoe's own update).
     """
 
-    def __init__(self, cfg: MoEConfig, init_method=None, bias_width: Optional[int] = None):
+    def __init__(self, cfg: MoEConfig, init_method=None):
         super().__init__()
         self.cfg = cfg
         E = cfg.num_experts
         self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size))
         (init_method or _normal_init(cfg.init_method_std))(self.weight)
         if cfg.uses_expert_bias:
-            width = bias_width or E
-            if width < E:
-                raise ConfigError(f"bias_width={width} is below num_experts={E}")
-            self.register_buffer("expert_bias", torch.zeros(width, dtype=torch.float32))
-            self.register_buffer("local_tokens_per_expert",
-                                 torch.zeros(width, dtype=torch.float32), persistent=False)
-            self._counts_version = self.local_tokens_per_expert._version
+            self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
         if cfg.uses_adaptive_aux:  # Skywork-MoE's per-layer coefficient, megamoe.balancing.adaptive
             self.register_buffer("adaptive_aux_coeff", torch.tensor(
                 [cfg.balance_loss_coeffs.get("adaptive_aux_loss", 0.0)], dtype=torch.float32))
@@ -97,9 +87,8 @@ class Router(nn.Module):
 
     @property
     def bias_E(self) -> Optional[torch.Tensor]:
-        """The real experts' bias [E] (a view), or None without loss-free balancing."""
-        bias = getattr(self, "expert_bias", None)
-        return None if bias is None else bias[:self.cfg.num_experts]
+        """The experts' bias [E], or None without loss-free balancing."""
+        return getattr(self, "expert_bias", None)
 
     def forward(self, x_TD: torch.Tensor, padding_mask_T: Optional[torch.Tensor] = None) -> Routing:
         """Route tokens; padded tokens (padding_mask_T True) go to no expert and are not counted."""
@@ -170,73 +159,30 @@ class Router(nn.Module):
         self.load.record(routing.selected_TE, routing.routing_map_TE, routing.probs_TE,
                          routing.tokens_T)
         self.load.record_losses(losses)
-        if self.bias_E is not None:
-            self._add_megatron_counts(routing.selected_TE.sum(0, dtype=torch.float32))
 
     def discard_step(self) -> None:
         """Forget this step's counts (a step abandoned before its update, e.g. rolled back)."""
         self.load.reset()
-        self.clear_megatron_counts()
 
     def step_pending(self) -> bool:
         """Counts of a finished step still wait for `megamoe.balancing.step_balancing`: this
         router has its own per-step state (expert thresholds), Skywork's adaptive coefficient,
-        or an expert bias whose counts Megatron's finalize_model_grads did not take."""
+        or an expert bias no host framework updated."""
         if self.load.empty:
             return False
         return (self.has_step_state or getattr(self, "adaptive_aux_coeff", None) is not None
-                or (self.bias_E is not None and not self.counts_consumed_by_megatron))
+                or (self.bias_E is not None and not self.bias_updated_by_host))
 
     @property
-    def counts_consumed_by_megatron(self) -> bool:
-        """True when someone else (Megatron's reset_model_temporary_tensors, after its bias
-        update) changed `local_tokens_per_expert` since this router last added to it: the step
-        whose counts those were has ended."""
-        counts = getattr(self, "local_tokens_per_expert", None)
-        return counts is not None and counts._version != self._counts_version
+    def bias_updated_by_host(self) -> bool:
+        """True when a host framework already applied this step's bias update (never here)."""
+        return False
 
-    @torch.no_grad()
-    def _add_megatron_counts(self, counts_E: torch.Tensor) -> None:
-        E, buffer = self.cfg.num_experts, self.local_tokens_per_expert
-        if buffer.numel() == E:
-            buffer += counts_E
-        else:
-            buffer[:E] += E * counts_E
-            buffer[E:] += counts_E.sum()
-        self._counts_version = buffer._version
-
-    @torch.no_grad()
-    def clear_megatron_counts(self) -> None:
-        """Zero `local_tokens_per_expert` (after megamoe's own bias update)."""
-        if self.bias_E is not None:
-            self.local_tokens_per_expert.zero_()
-            self._counts_version = self.local_tokens_per_expert._version
-
-    def reset_global_aux_loss_tracker(self) -> None:
-        """Called by Megatron's finalize_model_grads once per step when `global_aux_loss` is on:
-        restart the step's running global counts."""
-        self.load.reset_global_counts()
-
-    @property
-    def _padded(self) -> bool:
-        bias = getattr(self, "expert_bias", None)
-        return bias is not None and bias.numel() > self.cfg.num_experts
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self._padded:
-            destination[prefix + "expert_bias"] = self.bias_E
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        key = prefix + "expert_bias"
-        if self._padded and key in state_dict:
-            padded = torch.zeros_like(self.expert_bias)
-            padded[:self.cfg.num_experts] = state_dict[key]
-            state_dict[key] = padded
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+    def after_bias_update(self) -> None:
+        """Called by `step_balancing` after it updated the bias (nothing to do here)."""
 
     def _apply(self, fn, recurse=True):
-        """Move the bias buffers with the module but keep them in fp32 (a bf16 cast would erase
+        """Move the fp32 buffers with the module but keep them in fp32 (a bf16 cast would erase
         bias updates of size 1e-3 and round large token counts)."""
         names = [n for n in self.fp32_buffers if n in self._buffers]
         if not names:
@@ -250,11 +196,9 @@ class Router(nn.Module):
             for name, buffer in kept.items():
                 device = fn(buffer[:0]).device
                 self._buffers[name] = buffer.to(device=device, dtype=torch.float32)
-            if "local_tokens_per_expert" in kept:
-                self._counts_version = self.local_tokens_per_expert._version
         return self
 
-    fp32_buffers = ("expert_bias", "local_tokens_per_expert", "adaptive_aux_coeff")
+    fp32_buffers = ("expert_bias", "adaptive_aux_coeff")
     """Buffers kept in fp32 whatever the module is cast to (subclasses add theirs)."""
 
 

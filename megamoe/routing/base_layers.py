@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from megamoe.registry import ROUTERS
 from megamoe.routing.base import Router, Routing
 from megamoe.routing.group import gather_group_logits, scatter_rows
 
@@ -87,11 +88,12 @@ def _auction(z_NE: torch.Tensor, slots_E: torch.Tensor, prices_E: torch.Tensor,
         prices_E[full] = lowest[full]
 
 
+@ROUTERS.register("base")
 class BaseLayersRouter(Router):
     """Balanced linear assignment in training, greedy top-1 at inference; sigmoid gates."""
 
-    def __init__(self, cfg, init_method=None, bias_width: Optional[int] = None):
-        super().__init__(cfg, init_method, bias_width)
+    def __init__(self, cfg, init_method=None):
+        super().__init__(cfg, init_method)
         self._prices_E: Optional[torch.Tensor] = None  # the last auction's prices (warm start)
 
     def select(self, scores_TE, logits_TE, real_T=None):

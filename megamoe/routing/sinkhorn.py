@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from megamoe.registry import ROUTERS
 from megamoe.routing.base import Router
 from megamoe.routing.group import gather_group_logits
 
@@ -47,6 +48,7 @@ def top_k_map(values_TE: torch.Tensor, k: int) -> torch.Tensor:
     return selected_TE
 
 
+@ROUTERS.register("sinkhorn")
 class SinkhornRouter(Router):
     """Top-k of the Sinkhorn transport plan in training, of the softmax at inference."""
 

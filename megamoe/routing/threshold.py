@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from megamoe.registry import ROUTERS
 from megamoe.routing.base import Router
 
 
@@ -46,14 +47,15 @@ def column_ranks(logits_TE: torch.Tensor, real_T: torch.Tensor) -> torch.Tensor:
     return ranks_TE
 
 
+@ROUTERS.register("threshold")
 class ThresholdRouter(Router):
     """Expert-threshold router: token t goes to expert i iff logit r_ti >= c_i."""
 
     fp32_buffers = Router.fp32_buffers + ("threshold_ema", "threshold_updates")
     has_step_state = True
 
-    def __init__(self, cfg, init_method=None, bias_width: Optional[int] = None):
-        super().__init__(cfg, init_method, bias_width)
+    def __init__(self, cfg, init_method=None):
+        super().__init__(cfg, init_method)
         self.register_buffer("threshold_ema", torch.zeros(cfg.num_experts))
         self.register_buffer("threshold_updates", torch.zeros(1))
         self._cutoffs: Optional[torch.Tensor] = None  # [E + 1]: summed cutoffs, micro-batches

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from megamoe.registry import ROUTERS
 from megamoe.routing.base import Router
 
 
+@ROUTERS.register("top_p")
 class TopPRouter(Router):
     """Dynamic top-p router: a variable number of experts per token."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from megamoe.registry import ROUTERS
 from megamoe.routing.base import Router
 
 
@@ -22,6 +23,7 @@ def group_limited_mask(scores_TE: torch.Tensor, num_groups: int, groups_per_toke
     return best_groups_TG.repeat_interleave(E // num_groups, dim=1)
 
 
+@ROUTERS.register("topk")
 class TopKRouter(Router):
     """Each token picks the k experts with the highest (biased) scores.
 

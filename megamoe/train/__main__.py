@@ -19,9 +19,9 @@ import os
 import sys
 import warnings
 
+from megamoe.checkpointing.layout import iteration_of, latest_checkpoint
 from megamoe.errors import CheckpointError, ConfigError, run_cli
 from megamoe.train.config import load_config
-from megamoe.train.progress import iteration_of, latest_checkpoint
 
 
 class _Parser(argparse.ArgumentParser):

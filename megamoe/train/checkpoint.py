@@ -14,9 +14,10 @@ experts keyed by global expert id, so any expert-parallel size loads them; the e
 buffers of the routers), the optimizer state keyed like the parameters, each rank's RNG states,
 and as common state Megatron-LM's keys (`args`, `checkpoint_version`, `iteration`,
 `opt_param_scheduler`, ...: see megatron_lm_state) plus megamoe's (`train_state`, `config`,
-`layout`, `lr_schedule`, `format_version`). So Megatron-LM's `pretrain_gpt.py --load` with
-megamoe's spec continues it, and a Megatron-LM checkpoint of a megamoe model resumes here
-(weights and position; the optimizer starts fresh, since Megatron-LM's layout differs).
+`layout`, `lr_schedule`, `format_version`: the versioned schema of checkpoint_schema). So
+Megatron-LM's `pretrain_gpt.py --load` with megamoe's spec continues it, and a Megatron-LM
+checkpoint of a megamoe model resumes here (weights and position; the optimizer starts fresh,
+since Megatron-LM's layout differs).
 
 Every rank writes into `.iter_N.tmp`; when all have finished, the files are checksummed into the
 manifest, the folder renamed to `iter_N` and the tracker rewritten (atomically), so a crash or a
@@ -49,6 +50,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+from megamoe.checkpointing.layout import (RELEASE, TRACKER, TrainState, checkpoint_name,
+                                          latest_checkpoint, read_tracker,
+                                          saved_checkpoints, write_tracker)
 from megamoe.checkpointing.manifest import has_manifest, verify_folder, write_manifest
 from megamoe.checkpointing.no_orphans import own_write_results_queue
 from megamoe.checkpointing.safe_dcp import (FAILURES, METADATA_FILE, common_state_problem,
@@ -57,16 +61,15 @@ from megamoe.checkpointing.safe_dcp import (FAILURES, METADATA_FILE, common_stat
 from megamoe.checkpointing.torch_files import first_line
 from megamoe.errors import CheckpointError, MegaMoEError
 from megamoe.megatron import compat
+from megamoe.train.checkpoint_schema import (FORMAT_VERSION, check_compatible,
+                                             is_megamoe_state, upgraded)
 from megamoe.train.config import TrainConfig
 from megamoe.train.guards import DivergenceError, describe_module, first_nonfinite_parameter
 from megamoe.train.megatron_lm_state import (check_megatron_lm_args, is_megatron_lm_checkpoint,
                                              megatron_lm_common, train_state_of)
 from megamoe.train.model import sharded_state_metadata
-from megamoe.train.progress import (TRACKER, TrainState, checkpoint_name, latest_checkpoint,
-                                    saved_checkpoints, write_tracker)
 from megamoe.train.schedule import LRSchedule
 
-FORMAT_VERSION = 1
 # Files every torch_dist checkpoint has; the common state is `common.pt` (megatron-core <= 0.18)
 # or a sharded object inside the `.distcp` files (>= 0.19), see `common_state_problem`.
 DCP_FILES = ("metadata.json", METADATA_FILE)
@@ -325,23 +328,6 @@ def _prune(ckpt_dir: Path, keep_last: int, protected: Optional[Path]) -> None:
 
 # ---- loading --------------------------------------------------------------------------------
 
-def _check_compatible(saved: dict, config: TrainConfig, path: Path) -> None:
-    """The model architecture must match; parallel sizes, data and schedule may change."""
-    current = config.to_dict()
-    for section in ("model", "moe"):
-        saved_section = saved.get(section) if isinstance(saved, dict) else None
-        if not isinstance(saved_section, dict):
-            raise CheckpointError(f"{path}: its common state has no {section} settings; the "
-                                  "checkpoint is corrupt")
-        for key in sorted(set(saved_section) | set(current[section])):
-            old, new = saved_section.get(key), current[section].get(key)
-            if old != new:
-                raise CheckpointError(
-                    f"checkpoint {path} was trained with {section}.{key}={old!r} but the config "
-                    f"says {new!r}; use the checkpoint's model settings or a new checkpoint.dir"
-                )
-
-
 def _megamoe_state(common: dict, path: Path) -> tuple[TrainState, dict]:
     try:
         state, layout = TrainState(**common["train_state"]), dict(common["layout"])
@@ -357,8 +343,9 @@ def interpret_common_state(common: dict, config: TrainConfig, path: Path
                            ) -> tuple[TrainState, Optional[dict]]:
     """(position, saved layout) from a checkpoint's common state after checking it fits the
     config; the layout is None for a Megatron-LM checkpoint (weights and position only)."""
-    if common.get("format_version") == FORMAT_VERSION:
-        _check_compatible(common.get("config"), config, path)
+    if is_megamoe_state(common):
+        common = upgraded(common, path)
+        check_compatible(common.get("config"), config, path)
         return _megamoe_state(common, path)
     if not is_megatron_lm_checkpoint(common):
         raise CheckpointError(f"{path} is neither a megamoe nor a Megatron-LM training "
@@ -403,15 +390,14 @@ def _load(request: dict, path: Path, strict: StrictHandling = StrictHandling.ASS
                               "the checkpoint is corrupt or of another model") from None
 
 
-
 def resolve_weights_dir(path: str | Path) -> Path:
     """The torch_dist folder of `path`: a Megatron-LM root (`latest_checkpointed_iteration.txt`,
     as tools/upcycle_ckpt.py writes; `release` allowed), a megamoe checkpoint folder, or the
     folder itself."""
     path = Path(path).expanduser()
-    tracker = path / TRACKER
-    if tracker.is_file() and tracker.read_bytes().strip() == b"release":
-        path = path / "release"
+    tracked = read_tracker(path, allow_release=True)
+    if tracked is not None and tracked[1] == RELEASE:
+        path = path / RELEASE
     else:
         path = latest_checkpoint(path) or path
     if not (path / "metadata.json").is_file():
@@ -441,12 +427,12 @@ def _load_weights(folder: Path, model: torch.nn.Module, config: TrainConfig,
 
 
 def load_model_weights(path: str | Path, model: torch.nn.Module, config: TrainConfig,
-                       new_key: Callable[[str], bool] = lambda key: False) -> Path:
+                       new_key: Optional[Callable[[str], bool]] = None) -> Path:
     """Initialise `model` from the model weights of the checkpoint at `path` (see
     `resolve_weights_dir`), verified first; keys it lacks may only be extra state, expert
     biases and those `new_key` names (a fine-tuning method's own, left as initialised)."""
     folder = resolve_weights_dir(path)
     require_verified(folder)
     load_common_state(folder)
-    _load_weights(folder, model, config, new_key)
+    _load_weights(folder, model, config, new_key or (lambda key: False))
     return folder

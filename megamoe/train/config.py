@@ -38,6 +38,7 @@ from megamoe.bounded import (MAX_INT_DIGITS, check_structure, load_yaml, parse_y
                              read_bounded)
 from megamoe.config import MoEConfig
 from megamoe.errors import ConfigError
+from megamoe.train.methods import training_method
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
@@ -49,7 +50,6 @@ RECOMPUTE = ("none", "full", "selective")
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe")
 DECAY_STYLES = ("cosine", "linear", "constant")
 SPIKE_ACTIONS = ("stop", "rollback")
-FINETUNE_METHODS = ("none", "full", "lora", "simoe")
 MAX_CONFIG_BYTES = 1 << 20
 """A config file larger than this (1 MiB) is refused unread."""
 MAX_CONFIG_VALUES = 100_000
@@ -294,10 +294,11 @@ class GuardsConfig:
 
 @dataclass
 class FinetuneConfig:
-    """Instruction tuning (megamoe.instruct, megamoe.train.finetune) instead of pretraining."""
+    """Instruction tuning (megamoe.instruct.finetune) instead of pretraining."""
 
     method: str = "none"
-    """`none` (pretraining on `data`), or instruction tuning: `full` (every weight of the model,
+    """`none` (pretraining on `data`), or a method of `megamoe.train.methods`; those of
+    megamoe are instruction tuning: `full` (every weight of the model,
     dense or MoE, e.g. a sparse-upcycled one), `lora` (low-rank factors on every linear of a
     dense model) or `simoe` (sparse interpolated experts, arXiv 2506.12597). Start from a
     dense or upcycled checkpoint with `checkpoint.init_from`."""
@@ -668,32 +669,11 @@ def validate(config: TrainConfig) -> None:
 
 
 def _check_finetune(config: TrainConfig) -> None:
-    f = config.finetune
-    _choice("finetune.method", f.method, FINETUNE_METHODS)
-    if f.method == "none":
-        return
-    _require(config.parallel.pipeline == 1,
-             f"finetune.method={f.method} runs with parallel.pipeline=1 (exact-match evaluation "
-             f"generates on one stage); got parallel.pipeline={config.parallel.pipeline}")
-    _require(f.eval_interval >= 0, f"finetune.eval_interval={f.eval_interval} must be >= 0")
-    _require(f.max_new_tokens >= 1, f"finetune.max_new_tokens={f.max_new_tokens} must be >= 1")
-    if f.method in ("lora", "simoe"):
-        _require(config.model.first_k_dense == config.model.num_layers,
-                 f"finetune.method={f.method} adapts a dense model: set model.first_k_dense="
-                 f"{config.model.num_layers} (model.num_layers)")
-        _require(config.parallel.tensor == 1,
-                 f"finetune.method={f.method} trains at parallel.tensor=1: with tensor "
-                 "parallelism the trainer turns on sequence parallelism, which it does not "
-                 f"support yet; got parallel.tensor={config.parallel.tensor}")
-    if f.method == "lora":
-        _require(f.lora_rank >= 1, f"finetune.lora_rank={f.lora_rank} must be >= 1")
-    if f.method == "simoe":
-        from megamoe.simoe.config import SIMoEConfig
-
-        known = {field.name for field in dataclasses.fields(SIMoEConfig)}
-        unknown = sorted(set(f.simoe) - known)
-        _require(not unknown, f"finetune.simoe has unknown keys {unknown}; known: {sorted(known)}")
-        SIMoEConfig(**f.simoe)
+    """`finetune.method` names an installed method (`megamoe.train.methods`), which checks the
+    settings it trains with."""
+    method = training_method(config.finetune.method)
+    if method is not None:
+        method.check(config)
 
 
 def _check_ranges(config: TrainConfig) -> None:

@@ -37,8 +37,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
-from megamoe.megatron.cpu import cuda_as_cpu, fix_torch_adam_checkpoints
-from megamoe.megatron.models import attention_mask_for
+from megamoe.megatron.cpu import cuda_as_cpu
+from megamoe.megatron.masks import attention_mask_for
 from megamoe.train.config import TrainConfig
 from megamoe.train.data import Batch
 
@@ -62,11 +62,10 @@ class Engine:
     docstring. `chunks` are GPTModels on the CPU; on CUDA they are moved to this rank's GPU."""
 
     def __init__(self, chunks: list[torch.nn.Module], tc: TransformerConfig,
-                 config: TrainConfig, on_cuda: bool) -> None:
+                 config: TrainConfig, on_cuda: bool, routes_prompt: bool = False) -> None:
         self.config = config
         self.on_cuda = on_cuda
-        self.routes_prompt = config.finetune.method == "simoe"
-        fix_torch_adam_checkpoints()
+        self.routes_prompt = routes_prompt
         self.mask = attention_mask_for(config.model.seq_length, on_cuda)
         with self.device_context():
             if on_cuda:
@@ -103,7 +102,7 @@ class Engine:
         batch = next(data_iterator)
         if self.on_cuda:
             batch = type(batch)(*(t.cuda(non_blocking=True) for t in batch))
-        # SIMoE's router reads the prompt of the instruction batch.
+        # A router that reads the prompt (SIMoE's) gets the instruction batch's prompt mask.
         prompt = {"prompt_mask": batch.prompt_mask} if self.routes_prompt else {}
         losses_BS = model(batch.tokens, batch.position_ids, self.mask, labels=batch.labels,
                           **prompt)

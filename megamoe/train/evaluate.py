@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megamoe.errors import ConfigError
-from megamoe.megatron.models import attention_mask_for
+from megamoe.megatron.masks import attention_mask_for
 from megamoe.train.config import TrainConfig
 from megamoe.train.data import build_gpt_datasets, iterate_batches
 from megamoe.train.inputs import data_sources

@@ -31,10 +31,10 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megamoe.balancing import routers_of, step_balancing
+from megamoe.checkpointing.layout import TrainState, latest_checkpoint
 from megamoe.errors import ConfigError
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 from megamoe.parallel.comm import TorchComm
-from megamoe.train import finetune
 from megamoe.train.checkpoint import (load_checkpoint, load_model_weights, resume_checkpoint,
                                       save_checkpoint)
 from megamoe.train.config import TrainConfig, dump_config
@@ -52,9 +52,9 @@ from megamoe.train.guards import (
     poison_parameter,
 )
 from megamoe.train.inputs import data_sources, training_batches
+from megamoe.train.methods import Evaluation, TrainingMethod, training_method
 from megamoe.train.metrics import MetricsLogger
 from megamoe.train.model import build_model, transformer_config
-from megamoe.train.progress import TrainState, latest_checkpoint
 from megamoe.train.run_lock import lock_output_dir
 from megamoe.train.schedule import LRSchedule, set_learning_rate
 from megamoe.train.signals import StopRequest
@@ -130,8 +130,10 @@ class _Run:
     pgs: ProcessGroupCollection
     device: torch.device
     logger: MetricsLogger
-    evaluation: Optional[finetune.ExactMatchEvaluation]
-    """Instruction tuning's exact-match evaluation (None when pretraining)."""
+    method: Optional[TrainingMethod]
+    """What `finetune.method` trains (None: pretraining)."""
+    evaluation: Optional[Evaluation]
+    """The method's evaluation (None when pretraining)."""
 
 
 def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
@@ -151,14 +153,15 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
     tc = transformer_config(config, on_cuda, bf16)
     device = torch.device("cuda" if on_cuda else "cpu")
     evaluation = instructions = None
-    if finetune.enabled(config):
-        train_data, eval_data = finetune.data_paths(config)
-        instructions = finetune.InstructionBatches(config, train_data, tokenizer, dp_rank, dp_size)
-        evaluation = finetune.ExactMatchEvaluation(config, eval_data, tokenizer, device)
-        chunks = finetune.build_finetune_model(config, tc, tokenizer.vocab_size)
+    method = training_method(config.finetune.method)
+    if method is not None:
+        instructions = method.batches(config, tokenizer, dp_rank, dp_size)
+        evaluation = method.evaluation(config, tokenizer, device)
+        chunks = method.build_model(config, tc, tokenizer.vocab_size)
     else:
         chunks = build_model(config, tc, tokenizer.vocab_size)
-    engine = Engine(chunks, tc, config, on_cuda)
+    engine = Engine(chunks, tc, config, on_cuda,
+                    routes_prompt=method is not None and method.routes_prompt)
     # One module for the loop's per-model helpers (balancing, guards, checkpoints).
     model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
 
@@ -170,7 +173,7 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
                   "consumed)")
     elif config.checkpoint.init_from:
         loaded = load_model_weights(config.checkpoint.init_from, model, config,
-                                    new_key=lambda key: finetune.is_method_state(config, key))
+                                    new_key=method.is_own_state if method else None)
         origin = f"the weights of {loaded}"
         engine.model_weights_changed()
     if rank == 0:
@@ -184,7 +187,7 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
         f"({'CUDA, ' + ('bf16' if bf16 else 'fp32') if on_cuda else 'CPU, fp32'}; data "
         f"{dp_size} x expert {p.expert} x tensor {p.tensor} x pipeline {p.pipeline}"
         f"{f' x {p.virtual_stages} virtual' if p.virtual_stages > 1 else ''}), "
-        f"{finetune.trainable_summary(model)} on rank 0, starting from {origin}; output in "
+        f"{_trainable_summary(model)} on rank 0, starting from {origin}; output in "
         f"{config.output_dir}")
 
     def batches_from(start_sample: int) -> Iterator:
@@ -193,7 +196,7 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
         return training_batches(config, prefixes, tokenizer, dp_rank, dp_size, start_sample)
 
     return _Run(config, model, engine, state, batches_from(state.consumed_samples),
-                batches_from, num_microbatches, pgs, device, logger, evaluation)
+                batches_from, num_microbatches, pgs, device, logger, method, evaluation)
 
 
 def _train(run: _Run, stop: StopRequest) -> None:
@@ -246,7 +249,8 @@ def _train(run: _Run, stop: StopRequest) -> None:
         spikes.accept(step, loss)
         moe_metrics = step_balancing(run.model, replica_comm)
         engine.step(grad_norm)
-        moe_metrics.update(finetune.after_step(run.model))
+        if run.method is not None:
+            moe_metrics.update(run.method.after_step(run.model))
         state = TrainState(step, state.consumed_samples + batch_size)
         if config.parallel.pipeline > 1:
             moe_metrics = _gather_pipeline_metrics(moe_metrics, run.pgs.pp)
@@ -336,6 +340,12 @@ def _rollback(run: _Run, step: int, spike: Spike, position: int) -> TrainState:
                      resumed_step=state.iteration,
                      skipped_samples=[position, position + batch_size])
     return state
+
+
+def _trainable_summary(model: torch.nn.Module) -> str:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return f"{trainable:,} of {total:,} parameters train"
 
 
 def _every(step: int, interval: int) -> bool:

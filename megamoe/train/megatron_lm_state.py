@@ -18,9 +18,9 @@ import argparse
 
 import torch
 
+from megamoe.checkpointing.layout import TrainState
 from megamoe.errors import CheckpointError
 from megamoe.train.config import TrainConfig
-from megamoe.train.progress import TrainState
 from megamoe.train.schedule import LRSchedule
 
 CHECKPOINT_VERSION = 3.0

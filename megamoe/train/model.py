@@ -66,7 +66,7 @@ def transformer_config(config: TrainConfig, on_cuda: bool, bf16: bool) -> Transf
         # The layers take their routing settings from the spec; this only keeps Megatron's
         # softmax top-1 check off top-1 routers it does not know (threshold, BASE, Sinkhorn).
         moe_router_pre_softmax=True,
-        moe_layer_freq=_moe_layer_freq(config),
+        moe_layer_freq=moe_layer_freq(config),
         moe_router_enable_expert_bias=False,
         use_cpu_initialization=not on_cuda,
         bf16=bf16,
@@ -89,7 +89,7 @@ def _recompute_settings(config: TrainConfig) -> dict:
     return {}
 
 
-def _moe_layer_freq(config: TrainConfig) -> int | list[int]:
+def moe_layer_freq(config: TrainConfig) -> int | list[int]:
     """`model.moe_layer_freq`, with `model.first_k_dense` folded in as Megatron-LM expresses
     dense-first models (a 0/1 list), which also gives their checkpoints Megatron's per-layer
     key layout."""

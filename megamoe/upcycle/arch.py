@@ -11,8 +11,8 @@ from typing import Any
 
 import torch.nn.functional as F
 
+from megamoe.checkpointing.source import DenseSource
 from megamoe.errors import ConfigError
-from megamoe.upcycle.source import DenseSource
 
 GPT_FIELDS = ("vocab_size", "max_sequence_length", "position_embedding_type", "rotary_base",
               "rotary_percent", "share_embeddings_and_output_weights", "rope_scaling",

@@ -28,17 +28,18 @@ import yaml
 from tqdm import tqdm
 
 from megamoe.atomic import atomic_directory
+from megamoe.checkpointing.dcp_writer import StreamingCheckpointWriter
+from megamoe.checkpointing.layout import RELEASE, TRACKER
 from megamoe.checkpointing.manifest import write_manifest
+from megamoe.checkpointing.readers import open_dense_checkpoint
+from megamoe.checkpointing.sharded_keys import KeyLayout, whole_tensor
+from megamoe.checkpointing.source import DenseSource
 from megamoe.errors import CheckpointError, ConfigError
 from megamoe.paths import refuse_overlap
-from megamoe.upcycle.dcp_writer import StreamingCheckpointWriter
 from megamoe.upcycle.granular import MLPWeights
-from megamoe.upcycle.layout import KeyLayout, whole_tensor
 from megamoe.upcycle.moe_layer import dense_layer_items, layer_dense_mlp, moe_layer_items
 from megamoe.upcycle.recipe import UpcycleRecipe
-from megamoe.upcycle.source import TRACKER, DenseSource, open_dense_checkpoint
 
-CHECKPOINT_SUBDIR = "release"
 RECIPE_FILE = "upcycle_recipe.json"
 METRICS_FILE = "upcycle_metrics.jsonl"
 TRAIN_CONFIG_FILE = "train_config.yaml"
@@ -105,7 +106,7 @@ def upcycle_checkpoint(load, save, recipe: UpcycleRecipe, overwrite: bool = Fals
         log(f"upcycling {source.description}: {sum(pattern)}/{source.num_layers} layers -> "
             f"{recipe.num_experts} experts (G={recipe.granularity}, top-{recipe.topk}), "
             f"{layout.kind} keys")
-        checkpoint_dir = tmp / CHECKPOINT_SUBDIR
+        checkpoint_dir = tmp / RELEASE
         checkpoint_dir.mkdir()
         writer = StreamingCheckpointWriter(checkpoint_dir)
         metrics, mlp_info = _write_parts(source, pattern, layout, recipe, writer, progress)
@@ -119,7 +120,7 @@ def upcycle_checkpoint(load, save, recipe: UpcycleRecipe, overwrite: bool = Fals
             (tmp / TRAIN_CONFIG_FILE).write_text(yaml.safe_dump(sections, sort_keys=False))
         writer.finish(common)
         write_manifest(checkpoint_dir)
-        (tmp / TRACKER).write_text(CHECKPOINT_SUBDIR)
+        (tmp / TRACKER).write_text(RELEASE)
         (tmp / RECIPE_FILE).write_text(json.dumps(record, indent=2) + "\n")
         if source.side_files:
             (tmp / TOKENIZER_DIR).mkdir()
@@ -130,7 +131,7 @@ def upcycle_checkpoint(load, save, recipe: UpcycleRecipe, overwrite: bool = Fals
         log(f"wrote {writer.bytes_written / 2**20:.1f} MiB in {seconds:.1f} s "
             f"({writer.bytes_written / 2**20 / max(seconds, 1e-9):.1f} MiB/s)")
         max_diff = _verify(source, checkpoint_dir, record, arch_overrides, log) if verify else None
-    return UpcycleResult(save, save / CHECKPOINT_SUBDIR, record, writer.bytes_written, seconds,
+    return UpcycleResult(save, save / RELEASE, record, writer.bytes_written, seconds,
                          max_diff)
 
 
@@ -225,7 +226,7 @@ def _verify(source: DenseSource, checkpoint_dir: Path, record: dict,
             arch_overrides: Optional[dict], log: Callable[[str], None]) -> float:
     """Compare dense and MoE logits; enforce the bar for function-preserving recipes."""
     if source.format == "hf_safetensors":
-        from megamoe.interop.logits import hf_vs_megamoe
+        from megamoe.upcycle.hf_logits import hf_vs_megamoe
         diff = hf_vs_megamoe(source.directory, checkpoint_dir,
                              train_sections(source.model_settings, record))
     else:

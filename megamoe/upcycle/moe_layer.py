@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from megamoe.checkpointing.sharded_keys import KeyLayout, ObjectItem, TensorChunk
+from megamoe.checkpointing.source import DenseLayer
 from megamoe.errors import CheckpointError, ConfigError
 from megamoe.upcycle.experts import LayerUpcycler
 from megamoe.upcycle.granular import MLPWeights, dense_mlp
-from megamoe.upcycle.layout import KeyLayout, ObjectItem, TensorChunk
 from megamoe.upcycle.recipe import UpcycleRecipe
-from megamoe.upcycle.source import DenseLayer
 
 FC1, FC2 = "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"
 FC_EXTRA = {1: "mlp.linear_fc1._extra_state", 2: "mlp.linear_fc2._extra_state"}

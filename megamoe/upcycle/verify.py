@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
+from megamoe.checkpointing.legacy_source import MODULE_TO_SHARDED
+from megamoe.checkpointing.sharded_keys import LAYER_PREFIX
+from megamoe.checkpointing.source import DenseSource
 from megamoe.errors import ConfigError
 from megamoe.upcycle.arch import DenseArch, dense_arch
-from megamoe.upcycle.layout import LAYER_PREFIX
-from megamoe.upcycle.legacy_source import MODULE_TO_SHARDED
-from megamoe.upcycle.source import DenseSource
 
 SEQUENCES, SEQ_LEN = 4, 32
 CPU_SETTINGS = dict(add_bias_linear=False, use_cpu_initialization=True,
@@ -36,7 +36,7 @@ def sharded_metadata(key_layout: str) -> dict:
     return {}
 
 
-def _build(arch: DenseArch, moe_settings: dict | None):
+def build_reference_gpt(arch: DenseArch, moe_settings: dict | None):
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
                                                           get_gpt_layer_local_spec)
     from megatron.core.models.gpt import GPTModel
@@ -55,7 +55,7 @@ def _build(arch: DenseArch, moe_settings: dict | None):
                     post_process=True, **arch.gpt).eval()
 
 
-def _load_dist(model, directory: Path, key_layout: str) -> None:
+def load_dist_weights(model, directory: Path, key_layout: str) -> None:
     from megamoe.checkpointing.safe_dcp import load_dist_checkpoint
 
     request = model.sharded_state_dict(metadata=sharded_metadata(key_layout))
@@ -88,8 +88,8 @@ def _module_key(prefix: str, suffix: str, module_keys: set[str]) -> str:
     return prefix + suffix
 
 
-def _logits(model, tokens: torch.Tensor) -> torch.Tensor:
-    from megamoe.megatron.models import causal_attention_mask
+def gpt_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    from megamoe.megatron.masks import causal_attention_mask
 
     seq = tokens.shape[1]
     positions = torch.arange(seq).expand_as(tokens)
@@ -112,17 +112,17 @@ def max_logit_difference(source: DenseSource, checkpoint_dir: Path, record: dict
     if own_state:
         setup_megatron()
     try:
-        dense = _build(arch, None)
+        dense = build_reference_gpt(arch, None)
         if source.format == "torch_dist":
-            _load_dist(dense, source.reader.directory, source.key_layout)
+            load_dist_weights(dense, source.reader.directory, source.key_layout)
         else:
             _load_merged(dense, source)
-        moe = _build(arch, {**MOE_SETTINGS, **record["megatron_settings"]})
-        _load_dist(moe, checkpoint_dir, record["key_layout"])
+        moe = build_reference_gpt(arch, {**MOE_SETTINGS, **record["megatron_settings"]})
+        load_dist_weights(moe, checkpoint_dir, record["key_layout"])
         seq = min(SEQ_LEN, arch.gpt["max_sequence_length"])
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, arch.gpt["vocab_size"], (SEQUENCES, seq), generator=generator)
-        return float((_logits(dense, tokens) - _logits(moe, tokens)).abs().max())
+        return float((gpt_logits(dense, tokens) - gpt_logits(moe, tokens)).abs().max())
     finally:
         if own_state:
             teardown_megatron()

@@ -58,7 +58,7 @@ def _layer_case(case: str, dispatcher: str, ep_comm, replica_comm) -> dict:
 
     from megamoe import MoEConfig
     from megamoe.layer import MoELayer
-    from megamoe.parallel import expert_parallel_replica
+    from mock_ranks import expert_parallel_replica
 
     R, rank = ep_comm.size, ep_comm.rank
     cfg = MoEConfig(**{**dict(hidden_size=D, num_experts=8, ffn_hidden_size=12, topk=2,
@@ -124,7 +124,7 @@ def _bias_balancing(ep_comm, replica_comm, steps: int = 25) -> dict:
     from megamoe import MoEConfig
     from megamoe.balancing import step_balancing
     from megamoe.layer import MoELayer
-    from megamoe.parallel import expert_parallel_replica
+    from mock_ranks import expert_parallel_replica
 
     R, rank = ep_comm.size, ep_comm.rank
     cfg = MoEConfig(hidden_size=D, num_experts=8, ffn_hidden_size=12, topk=2, balancing="bias",
@@ -176,7 +176,7 @@ VOCAB, SEQ, GLOBAL_BATCH = 64, 16, 4
 
 
 def _gpt_config(**changes):
-    from megamoe.megatron.models import tiny_transformer_config
+    from tiny_models import tiny_transformer_config
 
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
                 num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=24,
@@ -222,7 +222,7 @@ def _lm_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _megamoe_gpt(config, layer_overrides=None):
-    from megamoe.megatron.models import build_gpt
+    from tiny_models import build_gpt
     from megamoe.megatron.specs import gpt_decoder_block_spec
 
     spec = gpt_decoder_block_spec(config, layer_overrides=layer_overrides)
@@ -232,7 +232,7 @@ def _megamoe_gpt(config, layer_overrides=None):
 def _megatron_gpt(config):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megamoe.megatron.models import build_gpt
+    from tiny_models import build_gpt
 
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     return build_gpt(config, spec, vocab_size=VOCAB, seq_len=SEQ)
@@ -243,7 +243,7 @@ def _megatron_gpt(config):
 
 
 def _logits(model) -> torch.Tensor:
-    from megamoe.megatron.models import causal_attention_mask
+    from megamoe.megatron.masks import causal_attention_mask
 
     model.eval()
     tokens, _ = _lm_batch(12345)

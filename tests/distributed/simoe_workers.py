@@ -29,7 +29,7 @@ def trainable_params(model, group) -> dict:
 
 def lm_losses(model, tokens, prompt_mask) -> torch.Tensor:
     """Per-token losses [B, S]; `prompt_mask` None for a model without a router."""
-    from megamoe.megatron.models import causal_attention_mask
+    from megamoe.megatron.masks import causal_attention_mask
 
     extra = {} if prompt_mask is None else {"prompt_mask": prompt_mask}
     return model(tokens[:, :-1], torch.arange(SEQ).expand(BATCH, -1), causal_attention_mask(SEQ),
@@ -69,7 +69,7 @@ def simoe_tp_job(rank: int, world_size: int, ckpt_dir: str) -> dict:
 
     from megamoe.checkpointing.safe_dcp import load_dist_checkpoint
     from megamoe.instruct.lora import lora_gpt
-    from megamoe.megatron.models import tiny_transformer_config
+    from tiny_models import tiny_transformer_config
     from megamoe.megatron.runtime import setup_megatron
     from megamoe.simoe.config import SIMoEConfig
     from megamoe.simoe.model import SIMoEGPTModel

@@ -7,7 +7,7 @@ import tp_workers
 from ep_harness import spawn
 from megamoe import MoEConfig
 from megamoe.layer import MoELayer
-from megamoe.parallel import run_ranks
+from mock_ranks import run_ranks
 
 
 @pytest.fixture(scope="module")

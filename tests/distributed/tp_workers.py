@@ -32,7 +32,7 @@ def tp_job(rank: int, world_size: int) -> dict:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from megamoe.layer import MoELayer
-    from megamoe.megatron.models import tiny_transformer_config
+    from tiny_models import tiny_transformer_config
     from megamoe.megatron.moe_module import MegatronMoELayer
     from megamoe.megatron.runtime import setup_megatron
 

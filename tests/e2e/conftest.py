@@ -3,7 +3,7 @@ fixture is the root conftest's)."""
 from __future__ import annotations
 
 import pytest
-from slurm_helpers import local_cluster
+import local_cluster
 
 
 @pytest.fixture(scope="session")

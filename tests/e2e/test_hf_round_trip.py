@@ -35,7 +35,7 @@ def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("arch", sorted(ROUTES))
 def test_hf_dense_to_trained_moe_to_hf(arch, corpus_cache, tmp_path):
-    from megamoe.interop.logits import hf_logits, load_hf_model, sample_tokens
+    from megamoe.upcycle.hf_logits import hf_logits, load_hf_model, sample_tokens
 
     flags, target = ROUTES[arch]
     hf = save_tiny_hf_model(arch, tmp_path / "hf")

@@ -1,6 +1,6 @@
 """SLURM launch mechanics on a real two-node Slurm cluster running on this machine.
 
-The cluster (launch/local_cluster.py, the `cluster` fixture of conftest.py) is started once per
+The cluster (tests/e2e/local_cluster.py, the `cluster` fixture of conftest.py) is started once per
 test session and skipped, with the reason,
 where Slurm cannot be installed. A throwaway batch script proves what launch/pretrain_moe.sh relies
 on: `srun` starts one task per node, and torchrun agents on both nodes meet in a c10d rendezvous
@@ -15,7 +15,8 @@ import subprocess
 import sys
 import pytest
 
-from slurm_helpers import PRETRAIN_SCRIPT, local_cluster
+import local_cluster
+from slurm_helpers import PRETRAIN_SCRIPT
 
 # One torchrun per node, rendezvous on the allocation's first node, exactly as pretrain_moe.sh does.
 RENDEZVOUS_JOB = """\

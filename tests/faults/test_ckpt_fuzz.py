@@ -20,13 +20,13 @@ from ckpt_fault_helpers import QUICK, REPO, TINY, assert_one_line_error, env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from megamoe.checkpointing.layout import latest_checkpoint
 from megamoe.checkpointing.manifest import MANIFEST_FILE, verify_folder, write_manifest
 from megamoe.checkpointing.safe_dcp import load_common_state, read_dcp_metadata
 from megamoe.errors import CheckpointError, DataError
 from megamoe.train.checkpoint import interpret_common_state
 from megamoe.train.config import load_config
 from megamoe.train.indexed_check import check_indexed_dataset
-from megamoe.train.progress import latest_checkpoint
 
 FUZZ = settings(max_examples=15 if QUICK else 60, deadline=None, derandomize=QUICK,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])

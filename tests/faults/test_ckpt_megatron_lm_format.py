@@ -34,7 +34,7 @@ _MEGATRON_LM_READER = textwrap.dedent("""
     from megamoe.megatron.runtime import setup_megatron
     from megamoe.train.config import load_config
     from megamoe.train.model import build_model, transformer_config
-    from megamoe.upcycle.dcp_reader import DCPReader
+    from megamoe.checkpointing.dcp_reader import DCPReader
 
     root, config_path, overrides = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     config = load_config(config_path, overrides)

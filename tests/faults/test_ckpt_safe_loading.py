@@ -103,7 +103,7 @@ def test_sharded_object_payload_never_runs(corpus_cache, tmp_path):
     assert not marker.exists()
     resumed = train(corpus_cache, out, "training.train_steps=2")
     assert_one_line_error(resumed, "iter_0000001", "rng_state", "builtins.exec")
-    from megamoe.upcycle.dcp_reader import DCPReader
+    from megamoe.checkpointing.dcp_reader import DCPReader
 
     reader = DCPReader(out / "checkpoints" / "iter_0000001")
     key = next(k for k in reader.objects() if k.startswith("rng_state"))

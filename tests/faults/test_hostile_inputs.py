@@ -246,7 +246,7 @@ def test_parameters_that_are_not_finite_are_never_saved(tmp_path):
 
     from megamoe.train.checkpoint import save_checkpoint
     from megamoe.train.guards import DivergenceError
-    from megamoe.train.progress import TrainState
+    from megamoe.checkpointing.layout import TrainState
 
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -316,7 +316,7 @@ HF_ABSURD = {
 
 def test_absurd_hugging_face_configs_are_refused(hf_model, tmp_path):
     from megamoe.errors import CheckpointError
-    from megamoe.interop.hf_arch import read_hf_arch
+    from megamoe.checkpointing.hf_arch import read_hf_arch
 
     model = copy_of(hf_model, tmp_path / "hf")
     original = json.loads((model / "config.json").read_text())

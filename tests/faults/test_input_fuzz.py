@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+from megamoe.checkpointing.hf_arch import read_hf_arch
+from megamoe.checkpointing.safetensors_io import INDEX_FILE, SINGLE_FILE, SafetensorsReader
 from megamoe.errors import CheckpointError, DataError
 from megamoe.instruct.dataset import read_records
-from megamoe.interop.hf_arch import read_hf_arch
-from megamoe.interop.safetensors_io import INDEX_FILE, SINGLE_FILE, SafetensorsReader
 
 FUZZ = settings(max_examples=20 if QUICK else 100, deadline=None, derandomize=QUICK,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])

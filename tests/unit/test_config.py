@@ -3,6 +3,7 @@ import pytest
 import torch.nn.functional as F
 
 from megamoe import ConfigError, MoEConfig
+from megamoe.megatron.fields import moe_config_from_transformer_config
 
 BASE = dict(hidden_size=16, num_experts=8, ffn_hidden_size=32)
 
@@ -47,7 +48,7 @@ def test_replace_rejects_unknown_field():
 
 
 def test_from_transformer_config_reads_megatron_moe_fields():
-    from megamoe.megatron.models import tiny_transformer_config
+    from tiny_models import tiny_transformer_config
 
     tc = tiny_transformer_config(
         num_moe_experts=16, moe_router_topk=4, moe_ffn_hidden_size=48,
@@ -56,7 +57,7 @@ def test_from_transformer_config_reads_megatron_moe_fields():
         moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=64,
         moe_expert_capacity_factor=1.25, moe_token_drop_policy="position", moe_z_loss_coeff=1e-3,
         gated_linear_unit=True, activation_func=F.silu)
-    cfg = MoEConfig.from_transformer_config(tc, router_type="topk")
+    cfg = moe_config_from_transformer_config(tc, router_type="topk")
     assert (cfg.num_experts, cfg.topk, cfg.ffn_hidden_size, cfg.hidden_size) == (16, 4, 48, 64)
     assert (cfg.score_function, cfg.balancing, cfg.bias_update_rate) == ("sigmoid", ["bias"], 2e-3)
     assert (cfg.num_groups, cfg.groups_per_token, cfg.topk_scaling_factor) == (4, 2, 2.5)
@@ -65,7 +66,7 @@ def test_from_transformer_config_reads_megatron_moe_fields():
 
 
 def test_from_transformer_config_without_experts():
-    from megamoe.megatron.models import tiny_transformer_config
+    from tiny_models import tiny_transformer_config
 
     with pytest.raises(ConfigError, match="num_moe_experts is None"):
-        MoEConfig.from_transformer_config(tiny_transformer_config())
+        moe_config_from_transformer_config(tiny_transformer_config())

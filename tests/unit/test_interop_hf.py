@@ -19,9 +19,9 @@ import torch
 pytest.importorskip("transformers")
 from hf_models import save_tiny_hf_model  # noqa: E402
 
+from megamoe.checkpointing.hf_source import interleave_qkv, split_qkv, HFArch
 from megamoe.errors import MegaMoEError  # noqa: E402
 from megamoe.interop.hf_export import check_expressible, export_hf  # noqa: E402
-from megamoe.interop.hf_source import interleave_qkv, split_qkv, HFArch  # noqa: E402
 from megamoe.train.config import config_from_dict  # noqa: E402
 from megamoe.upcycle import UpcycleRecipe, upcycle_checkpoint  # noqa: E402
 

@@ -13,7 +13,9 @@ from megamoe import MoEConfig
 from megamoe.balancing import maxvio, step_balancing
 from megamoe.layer import MoELayer
 from megamoe.megatron.compat import reset_moe_tracker
-from megamoe.megatron.models import causal_attention_mask, tiny_transformer_config
+from megamoe.megatron.fields import moe_config_from_transformer_config
+from megamoe.megatron.masks import causal_attention_mask
+from tiny_models import tiny_transformer_config
 from megamoe.megatron.moe_module import MegatronMoELayer
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 from megamoe.megatron.specs import gpt_decoder_block_spec
@@ -65,7 +67,7 @@ def router_pair(settings, bias=None):
 
     theirs = TopKRouter(tc, pg_collection=get_default_pg_collection())
     theirs.set_layer_number(1)
-    ours = MoELayer(MoEConfig.from_transformer_config(tc))
+    ours = MoELayer(moe_config_from_transformer_config(tc))
     with torch.no_grad():
         theirs.weight.copy_(torch.randn(E, H, generator=torch.Generator().manual_seed(1)) * 0.5)
         ours.router.weight.copy_(theirs.weight)

@@ -11,7 +11,8 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 
 from megamoe.errors import ConfigError
 from megamoe.megatron.cpu import enable_megatron_on_cpu
-from megamoe.megatron.models import build_gpt, causal_attention_mask, tiny_transformer_config
+from tiny_models import build_gpt, tiny_transformer_config
+from megamoe.megatron.masks import causal_attention_mask
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 
 pytestmark = pytest.mark.skipif(

@@ -5,10 +5,10 @@ import pytest
 import torch
 from megatron.core.transformer import TransformerConfig
 
-from megamoe import ConfigError, MoEConfig
+from megamoe import ConfigError
 from megamoe.layer import MoELayer
-from megamoe.megatron.fields import REFUSED, classify
-from megamoe.megatron.models import tiny_transformer_config
+from megamoe.megatron.fields import REFUSED, classify, moe_config_from_transformer_config
+from tiny_models import tiny_transformer_config
 
 MOE_FIELDS = [f.name for f in dataclasses.fields(TransformerConfig) if f.name.startswith("moe_")]
 
@@ -38,7 +38,7 @@ def test_refused_fields_name_the_field_and_the_fix(name):
     config = tc()
     object.__setattr__(config, name, REFUSED_VALUES.get(name, True))
     with pytest.raises(ConfigError) as err:
-        MoEConfig.from_transformer_config(config)
+        moe_config_from_transformer_config(config)
     assert str(err.value).startswith(f"{name}=") and REFUSED[name] in str(err.value)
 
 
@@ -49,9 +49,9 @@ def test_unknown_field_from_a_newer_megatron_is_refused_unless_default():
 
     base = {f.name: getattr(tc(), f.name) for f in dataclasses.fields(TransformerConfig)
             if f.init}
-    assert MoEConfig.from_transformer_config(NewerConfig(**base)).num_experts == 4
+    assert moe_config_from_transformer_config(NewerConfig(**base)).num_experts == 4
     with pytest.raises(ConfigError, match="moe_brand_new_knob=3 is a Megatron-Core setting"):
-        MoEConfig.from_transformer_config(NewerConfig(**base, moe_brand_new_knob=3))
+        moe_config_from_transformer_config(NewerConfig(**base, moe_brand_new_knob=3))
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -64,11 +64,11 @@ def test_other_refusals(changes, message):
     for name, value in changes.items():
         object.__setattr__(config, name, value)
     with pytest.raises(ConfigError, match=message):
-        MoEConfig.from_transformer_config(config)
+        moe_config_from_transformer_config(config)
 
 
 def test_lists_of_losses_and_bias_compose():
-    cfg = MoEConfig.from_transformer_config(tc(
+    cfg = moe_config_from_transformer_config(tc(
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
         moe_router_load_balancing_type=["seq_aux_loss", "global_aux_loss", "aux_loss"],
         moe_aux_loss_coeff=[1e-4, 1e-3, 0.0], moe_z_loss_coeff=1e-3))
@@ -79,7 +79,7 @@ def test_lists_of_losses_and_bias_compose():
 
 def test_input_jitter_is_honoured_like_megatron():
     """Megatron multiplies the router input by U(1-eps, 1+eps) in training only."""
-    cfg = MoEConfig.from_transformer_config(tc(moe_input_jitter_eps=0.1))
+    cfg = moe_config_from_transformer_config(tc(moe_input_jitter_eps=0.1))
     assert cfg.input_jitter_eps == 0.1
     layer = MoELayer(cfg.replace(hidden_size=64))
     x = torch.randn(64, 64)
@@ -95,7 +95,7 @@ def test_input_jitter_is_honoured_like_megatron():
 
 
 def test_dispatcher_and_capacity_fields_are_honoured():
-    cfg = MoEConfig.from_transformer_config(tc(moe_token_dispatcher_type="alltoall",
+    cfg = moe_config_from_transformer_config(tc(moe_token_dispatcher_type="alltoall",
                                                moe_expert_capacity_factor=1.5,
                                                moe_token_drop_policy="position"))
     assert (cfg.dispatcher, cfg.capacity_factor, cfg.drop_policy) == ("alltoall", 1.5, "position")

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from megamoe.balancing import step_balancing
-from megamoe.megatron.models import build_gpt, causal_attention_mask, tiny_transformer_config
+from tiny_models import build_gpt, tiny_transformer_config
+from megamoe.megatron.masks import causal_attention_mask
 from megamoe.megatron.moe_module import MegatronMoELayer
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 from megamoe.megatron.specs import (decoder_block_spec, gpt_decoder_block_spec, layer_spec,

@@ -14,7 +14,8 @@ from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_t
 from megatron.core.transformer.spec_utils import import_module
 
 from megamoe.megatron.compat import reset_moe_tracker
-from megamoe.megatron.models import causal_attention_mask, tiny_transformer_config
+from megamoe.megatron.masks import causal_attention_mask
+from tiny_models import tiny_transformer_config
 from megamoe.megatron.moe_module import MegatronMoELayer
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 from megatron_chunk import MegatronChunk

@@ -18,7 +18,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, import_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megamoe.errors import ConfigError
-from megamoe.megatron.models import causal_attention_mask, tiny_transformer_config
+from megamoe.megatron.masks import causal_attention_mask
+from tiny_models import tiny_transformer_config
 from megamoe.megatron.moe_module import MegatronMoELayer
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 

@@ -3,10 +3,11 @@ plain delta fine-tune of the dense model, and the target sparsity on a toy probl
 import pytest
 import torch
 
-from megamoe.megatron.models import build_gpt, causal_attention_mask, tiny_transformer_config
+from tiny_models import build_gpt, tiny_transformer_config
+from megamoe.instruct.lora import lora_gpt, rank_matching
+from megamoe.megatron.masks import causal_attention_mask
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 from megamoe.megatron.specs import get_gpt_layer_local_spec
-from megamoe.instruct.lora import lora_gpt, rank_matching
 from megamoe.simoe.config import SIMoEConfig
 from megamoe.simoe.inference import inference_parameters, merged_dense_state_dict
 from megamoe.simoe.interpolated import GatedColumns

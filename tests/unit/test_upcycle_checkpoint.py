@@ -7,10 +7,11 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 import upcycle_ckpts as ck
-from megamoe.megatron.models import build_gpt
+from tiny_models import build_gpt
+from megamoe.checkpointing.readers import open_dense_checkpoint
 from megamoe.megatron.moe_module import MegatronMoELayer
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
-from megamoe.upcycle import UpcycleRecipe, open_dense_checkpoint, upcycle_checkpoint
+from megamoe.upcycle import UpcycleRecipe, upcycle_checkpoint
 
 TOL = 1e-4
 LAYERS = 4

@@ -19,7 +19,8 @@ from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec
                                                       get_gpt_layer_local_spec)
 from megatron.core.transformer.enums import AttnBackend
 
-from megamoe.megatron.models import build_gpt, causal_attention_mask, tiny_transformer_config
+from tiny_models import build_gpt, tiny_transformer_config
+from megamoe.megatron.masks import causal_attention_mask
 
 VOCAB, SEQ, HEADS = 128, 16, 4
 GLU = dict(gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",

@@ -38,7 +38,7 @@ def megamoe_logits(checkpoint_dir: Path, sections: dict, tokens: torch.Tensor) -
     torch_dist checkpoint at `checkpoint_dir`."""
     from megatron.core import parallel_state
 
-    from megamoe.megatron.models import causal_attention_mask
+    from megamoe.megatron.masks import causal_attention_mask
     from megamoe.megatron.runtime import setup_megatron, teardown_megatron
     from megamoe.train.checkpoint import load_model_weights
     from megamoe.train.config import config_from_dict

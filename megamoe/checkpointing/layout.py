@@ -1,4 +1,5 @@
-"""Where a run stands: its step count and data position, and the checkpoint tracker file.
+"""Megatron-LM's checkpoint directory layout, in one module: the tracker file, the `iter_N`
+folders, where the weights of one checkpoint lie, and where a run stands (steps, samples).
 
 The checkpoint folder follows Megatron-LM's save-directory convention
 (`megatron/training/checkpointing.py`: `get_checkpoint_tracker_filename`, `get_checkpoint_name`,
@@ -20,6 +21,9 @@ from megamoe.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 LEGACY_LATEST = "latest"
+RELEASE = "release"
+"""The folder a tracker holding `release` names: Megatron-LM's converted, step-less weights, where
+megamoe's converters (upcycle, import) write theirs."""
 _NAME = re.compile(r"iter_(\d{7})")
 
 
@@ -36,10 +40,15 @@ def checkpoint_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-def _tracked_name(ckpt_dir: Path) -> Optional[tuple[Path, str]]:
+def read_tracker(ckpt_dir: Path, allow_release: bool = False) -> Optional[tuple[Path, str]]:
+    """(the marker file, the folder name it designates) in `ckpt_dir`, or None without one:
+    Megatron-LM's tracker (an iteration, or `release` when `allow_release`), else an older
+    megamoe run's `latest` file."""
     tracker = ckpt_dir / TRACKER
     if tracker.is_file():
-        text = tracker.read_bytes().decode("utf-8", "replace").strip()
+        text = tracker.read_bytes()[:64].decode("utf-8", "replace").strip()
+        if allow_release and text == RELEASE:
+            return tracker, RELEASE
         if not text.isdigit() or not text.isascii():
             raise CheckpointError(f"{tracker} holds {text[:40]!r}, not an iteration number; "
                                   f"write the iteration of a folder in {ckpt_dir} into it or "
@@ -47,14 +56,14 @@ def _tracked_name(ckpt_dir: Path) -> Optional[tuple[Path, str]]:
         return tracker, checkpoint_name(int(text))
     legacy = ckpt_dir / LEGACY_LATEST
     if legacy.is_file():
-        return legacy, legacy.read_bytes().decode("utf-8", "replace").strip()
+        return legacy, legacy.read_bytes()[:64].decode("utf-8", "replace").strip()
     return None
 
 
 def latest_checkpoint(ckpt_dir: str | Path) -> Optional[Path]:
     """The checkpoint folder the tracker names in `ckpt_dir`, or None when there is none yet."""
     ckpt_dir = Path(ckpt_dir)
-    tracked = _tracked_name(ckpt_dir)
+    tracked = read_tracker(ckpt_dir)
     if tracked is None:
         return None
     marker, name = tracked

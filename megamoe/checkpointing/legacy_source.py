@@ -18,10 +18,10 @@ from typing import Iterator
 
 import torch
 
-from megamoe.errors import CheckpointError
-from megamoe.upcycle.layout import LAYER_PREFIX, ObjectItem, object_key
-from megamoe.upcycle.source import DenseLayer, check_not_moe
+from megamoe.checkpointing.sharded_keys import LAYER_PREFIX, ObjectItem, object_key
+from megamoe.checkpointing.source import DenseLayer, check_not_moe
 from megamoe.checkpointing.torch_files import load_torch_file
+from megamoe.errors import CheckpointError
 
 FILE_NAME = "model_optim_rng.pt"
 EXTRA_STATE = "_extra_state"
@@ -69,7 +69,7 @@ def serialize_extra_state(value) -> bytes:
 
 
 class LegacySource:
-    """A dense legacy checkpoint read layer by layer (see megamoe.upcycle.source)."""
+    """A dense legacy checkpoint read layer by layer (see megamoe.checkpointing.source)."""
 
     format = "legacy"
     model_settings = None

@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, WriteItem,
                                                   WriteItemType)
 
+from megamoe.checkpointing.sharded_keys import ObjectItem, TensorChunk
 from megamoe.checkpointing.torch_files import require_finite
-from megamoe.upcycle.layout import ObjectItem, TensorChunk
 
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                      "common_backend": "torch", "common_backend_version": 1}

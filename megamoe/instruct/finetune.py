@@ -1,4 +1,5 @@
-"""Instruction tuning inside the training loop: the method's model, its data and its evaluation.
+"""Instruction tuning inside the training loop: the method's model, its data and its evaluation,
+as `megamoe.train.methods.TrainingMethod`s (the `megamoe.training_methods` entry points).
 
 `finetune.method` (full | lora | simoe) turns `python -m megamoe.train` from pretraining into
 instruction tuning of a checkpoint given by `checkpoint.init_from`:
@@ -16,6 +17,7 @@ families evaluate.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Iterator
 
@@ -24,12 +26,13 @@ import torch.distributed as dist
 from megatron.core.transformer import TransformerConfig
 from torch.utils.data import Dataset
 
+from megamoe.errors import ConfigError
 from megamoe.instruct import tasks
 from megamoe.instruct.dataset import InstructionDataset, collate, read_records
 from megamoe.instruct.evaluate import exact_match
 from megamoe.instruct.lora import TRAINABLE_SUFFIXES as LORA_SUFFIXES
 from megamoe.instruct.lora import lora_gpt
-from megamoe.megatron.models import attention_mask_for
+from megamoe.megatron.masks import attention_mask_for
 from megamoe.simoe.config import SIMoEConfig
 from megamoe.simoe.model import SIMoEGPTModel, is_simoe_state
 from megamoe.train.config import TrainConfig
@@ -39,31 +42,108 @@ from megamoe.train.model import build_model, padded_vocab_size
 GENERATED_SET_VERSION = 1
 
 
-def enabled(config: TrainConfig) -> bool:
-    return config.finetune.method != "none"
+class FullFinetuning:
+    """`full`: every weight of the configured GPT (dense or MoE, e.g. sparse-upcycled) trains."""
 
+    routes_prompt = False
 
-def build_finetune_model(config: TrainConfig, tc: TransformerConfig, vocab_size: int
-                         ) -> list[torch.nn.Module]:
-    """The method's model, as a one-chunk list like `build_model` (no pipeline stages)."""
-    f = config.finetune
-    if f.method == "full":
+    def check(self, config: TrainConfig) -> None:
+        f = config.finetune
+        _require(config.parallel.pipeline == 1,
+                 f"finetune.method={f.method} runs with parallel.pipeline=1 (exact-match "
+                 "evaluation generates on one stage); got parallel.pipeline="
+                 f"{config.parallel.pipeline}")
+        _require(f.eval_interval >= 0, f"finetune.eval_interval={f.eval_interval} must be >= 0")
+        _require(f.max_new_tokens >= 1,
+                 f"finetune.max_new_tokens={f.max_new_tokens} must be >= 1")
+
+    def build_model(self, config: TrainConfig, tc: TransformerConfig, vocab_size: int
+                    ) -> list[torch.nn.Module]:
         return build_model(config, tc, vocab_size)
-    common = dict(vocab_size=padded_vocab_size(vocab_size, config),
-                  max_sequence_length=config.model.seq_length,
-                  share_embeddings_and_output_weights=config.model.share_embeddings,
-                  position_embedding_type=config.model.position_embedding,
-                  rotary_base=config.model.rotary_base)
-    if f.method == "lora":
-        return [lora_gpt(tc, f.lora_rank, f.lora_alpha, **common)]
-    return [SIMoEGPTModel(tc, SIMoEConfig(**f.simoe), **common)]
+
+    def batches(self, config: TrainConfig, tokenizer, dp_rank: int, dp_size: int):
+        return InstructionBatches(config, data_paths(config)[0], tokenizer, dp_rank, dp_size)
+
+    def evaluation(self, config: TrainConfig, tokenizer, device) -> "ExactMatchEvaluation":
+        return ExactMatchEvaluation(config, data_paths(config)[1], tokenizer, device)
+
+    def is_own_state(self, key: str) -> bool:
+        return False
+
+    def after_step(self, model: torch.nn.Module) -> dict[str, float]:
+        return {}
 
 
-def is_method_state(config: TrainConfig, name: str) -> bool:
-    """Whether a model key is the method's own (absent from the seed checkpoint)."""
-    method = config.finetune.method
-    return (method == "lora" and name.endswith(LORA_SUFFIXES)) or \
-        (method == "simoe" and is_simoe_state(name))
+class _DenseAdapter(FullFinetuning):
+    """A method that adapts a dense GPT with parameters of its own."""
+
+    def check(self, config: TrainConfig) -> None:
+        super().check(config)
+        f = config.finetune
+        _require(config.model.first_k_dense == config.model.num_layers,
+                 f"finetune.method={f.method} adapts a dense model: set model.first_k_dense="
+                 f"{config.model.num_layers} (model.num_layers)")
+        _require(config.parallel.tensor == 1,
+                 f"finetune.method={f.method} trains at parallel.tensor=1: with tensor "
+                 "parallelism the trainer turns on sequence parallelism, which it does not "
+                 f"support yet; got parallel.tensor={config.parallel.tensor}")
+
+
+def _gpt_settings(config: TrainConfig, vocab_size: int) -> dict:
+    return dict(vocab_size=padded_vocab_size(vocab_size, config),
+                max_sequence_length=config.model.seq_length,
+                share_embeddings_and_output_weights=config.model.share_embeddings,
+                position_embedding_type=config.model.position_embedding,
+                rotary_base=config.model.rotary_base)
+
+
+class LoRAFinetuning(_DenseAdapter):
+    """`lora`: low-rank factors on every linear of a dense GPT (arXiv 2106.09685)."""
+
+    def check(self, config: TrainConfig) -> None:
+        super().check(config)
+        rank = config.finetune.lora_rank
+        _require(rank >= 1, f"finetune.lora_rank={rank} must be >= 1")
+
+    def build_model(self, config: TrainConfig, tc: TransformerConfig, vocab_size: int
+                    ) -> list[torch.nn.Module]:
+        f = config.finetune
+        return [lora_gpt(tc, f.lora_rank, f.lora_alpha, **_gpt_settings(config, vocab_size))]
+
+    def is_own_state(self, key: str) -> bool:
+        return key.endswith(LORA_SUFFIXES)
+
+
+class SIMoEFinetuning(_DenseAdapter):
+    """`simoe`: sparse interpolated experts (arXiv 2506.12597) over a dense GPT."""
+
+    routes_prompt = True
+
+    def check(self, config: TrainConfig) -> None:
+        super().check(config)
+        settings = config.finetune.simoe
+        known = {field.name for field in dataclasses.fields(SIMoEConfig)}
+        unknown = sorted(set(settings) - known)
+        _require(not unknown,
+                 f"finetune.simoe has unknown keys {unknown}; known: {sorted(known)}")
+        SIMoEConfig(**settings)
+
+    def build_model(self, config: TrainConfig, tc: TransformerConfig, vocab_size: int
+                    ) -> list[torch.nn.Module]:
+        return [SIMoEGPTModel(tc, SIMoEConfig(**config.finetune.simoe),
+                              **_gpt_settings(config, vocab_size))]
+
+    def is_own_state(self, key: str) -> bool:
+        return is_simoe_state(key)
+
+    def after_step(self, model: torch.nn.Module) -> dict[str, float]:
+        """SIMoE's dual step on its sparsity Lagrangian; its metrics."""
+        return model.simoe_regularizer.step()
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
 
 
 def data_paths(config: TrainConfig) -> tuple[Path, list[Path]]:
@@ -119,12 +199,6 @@ class InstructionBatches:
                                num_workers=self.config.data.num_workers, collate=collate)
 
 
-def after_step(model: torch.nn.Module) -> dict[str, float]:
-    """What a method does once per optimizer step (SIMoE's dual step); its metrics."""
-    regularizer = getattr(model, "simoe_regularizer", None)
-    return {} if regularizer is None else regularizer.step()
-
-
 class ExactMatchEvaluation:
     """Exact match on every evaluation file, every `eval_interval` steps and at the end."""
 
@@ -161,10 +235,3 @@ class ExactMatchEvaluation:
             return metrics
         finally:
             model.train(was_training)
-
-
-def trainable_summary(model: torch.nn.Module) -> str:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    return f"{trainable:,} of {total:,} parameters train"
-

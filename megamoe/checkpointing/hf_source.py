@@ -26,12 +26,12 @@ from typing import Iterator
 
 import torch
 
+from megamoe.checkpointing.hf_arch import HFArch, read_config_json, read_hf_arch
+from megamoe.checkpointing.safetensors_io import SafetensorsReader
+from megamoe.checkpointing.sharded_keys import ObjectItem
+from megamoe.checkpointing.source import DenseLayer
 from megamoe.errors import CheckpointError
-from megamoe.interop.hf_arch import HFArch, read_config_json, read_hf_arch
-from megamoe.interop.safetensors_io import SafetensorsReader
 from megamoe.paths import inside
-from megamoe.upcycle.layout import ObjectItem
-from megamoe.upcycle.source import DenseLayer
 
 HF_LAYER = "model.layers.{}."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",

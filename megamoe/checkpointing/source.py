@@ -1,13 +1,13 @@
-"""A dense Megatron-Core GPT checkpoint, whatever its format: format detection and the common
-interface the converter reads through.
+"""A dense Megatron-Core GPT checkpoint, whatever its format: the common interface the converter
+reads through (the readers: `megamoe.checkpointing.readers`).
 
-Both readers return global (tensor-parallel merged) tensors keyed by Megatron's sharded-key
+The readers return global (tensor-parallel merged) tensors keyed by Megatron's sharded-key
 suffix within a layer (e.g. `self_attention.linear_qkv.weight`, `mlp.linear_fc1.weight`,
 `mlp.linear_fc1.layer_norm_weight`), one layer at a time.
 
 Accepted paths: a Hugging Face model directory (`config.json` + safetensors, read by
-megamoe.interop.hf_source), a Megatron-LM checkpoint root (`latest_checkpointed_iteration.txt` names the
-iteration), a root holding `iter_*` directories (the latest is taken), or one checkpoint
+megamoe.checkpointing.hf_source), a Megatron-LM checkpoint root
+(`latest_checkpointed_iteration.txt` names the iteration), a root holding `iter_*` directories (the latest is taken), or one checkpoint
 directory: torch_dist (`metadata.json` + `.metadata` + `*.distcp`) or legacy per-rank files
 (`mp_rank_XX[_YYY]/model_optim_rng.pt`).
 """
@@ -21,13 +21,11 @@ from typing import Iterator, Optional, Protocol
 
 import torch
 
-from megamoe.bounded import read_json
+from megamoe.checkpointing.layout import TRACKER, read_tracker
+from megamoe.checkpointing.sharded_keys import ObjectItem
 from megamoe.errors import CheckpointError
-from megamoe.paths import inside
-from megamoe.upcycle.layout import ObjectItem
 
 MOE_MARKERS = (".mlp.router.", ".mlp.experts.", ".mlp.shared_experts.")
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 @dataclass
@@ -75,14 +73,13 @@ def resolve_checkpoint_dir(path: Path) -> Path:
         raise CheckpointError(f"checkpoint path {path} does not exist")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint path {path} is not a directory")
-    tracker = path / TRACKER
-    if tracker.exists():
-        text = tracker.read_text().strip()
-        name = "release" if text == "release" else _iteration_dir(text, tracker)
+    tracked = read_tracker(path, allow_release=True)
+    if tracked is not None:
+        tracker, name = tracked
         if not (path / name).is_dir():
             raise CheckpointError(f"{tracker} names {name}, which does not exist in {path}")
         return path / name
-    if (path / "metadata.json").exists() or _has_rank_dirs(path):
+    if (path / "metadata.json").exists() or has_rank_dirs(path):
         return path
     iterations = sorted((int(m.group(1)), child) for child in path.iterdir()
                         if (m := re.fullmatch(r"iter_(\d+)", child.name)) and child.is_dir())
@@ -93,38 +90,5 @@ def resolve_checkpoint_dir(path: Path) -> Path:
                           "model_optim_rng.pt (legacy)")
 
 
-def open_dense_checkpoint(path) -> DenseSource:
-    """Detect the format of the checkpoint at `path` and open it for layer-by-layer reading."""
-    from megamoe.interop.hf_source import HFSource, is_hf_directory
-    from megamoe.upcycle.dist_source import DistSource
-    from megamoe.upcycle.legacy_source import LegacySource
-
-    if is_hf_directory(Path(path)):
-        return HFSource(Path(path))
-    directory = resolve_checkpoint_dir(Path(path))
-    if (directory / "metadata.json").exists():
-        metadata = read_json(inside(directory, "metadata.json"), 1 << 16, CheckpointError)
-        backend = metadata.get("sharded_backend") if isinstance(metadata, dict) else None
-        if not isinstance(backend, str):
-            raise CheckpointError(f"{directory}/metadata.json is not Megatron checkpoint "
-                                  "metadata; the checkpoint is corrupt")
-        if backend != "torch_dist":
-            raise CheckpointError(f"{directory} is a {backend!r} distributed checkpoint; only "
-                                  "torch_dist is supported (convert it with Megatron first)")
-        return DistSource(directory)
-    if _has_rank_dirs(directory):
-        return LegacySource(directory)
-    raise CheckpointError(f"unknown checkpoint format in {directory}: neither metadata.json "
-                          "(torch_dist) nor mp_rank_*/model_optim_rng.pt (legacy)")
-
-
-def _iteration_dir(text: str, tracker: Path) -> str:
-    try:
-        return f"iter_{int(text):07d}"
-    except ValueError:
-        raise CheckpointError(f"{tracker} holds {text!r}, not an iteration number or "
-                              "'release'") from None
-
-
-def _has_rank_dirs(path: Path) -> bool:
+def has_rank_dirs(path: Path) -> bool:
     return any(child.name.startswith("mp_rank_") for child in path.iterdir())

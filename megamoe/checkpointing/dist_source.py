@@ -14,12 +14,12 @@ from typing import Iterator, Optional
 
 import torch
 
+from megamoe.checkpointing.dcp_reader import DCPReader
 from megamoe.checkpointing.manifest import has_manifest, verify_folder
 from megamoe.checkpointing.safe_dcp import common_state_problem, load_common_state
+from megamoe.checkpointing.sharded_keys import LAYER_PREFIX, ObjectItem
+from megamoe.checkpointing.source import DenseLayer, check_not_moe
 from megamoe.errors import CheckpointError
-from megamoe.upcycle.dcp_reader import DCPReader
-from megamoe.upcycle.layout import LAYER_PREFIX, ObjectItem
-from megamoe.upcycle.source import DenseLayer, check_not_moe
 
 # Not model weights; `common_state` is megatron-core 0.19's common state (read by _saved_args).
 SKIPPED_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine_state", "common_state")
@@ -47,7 +47,7 @@ def join_glu_halves(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 class DistSource:
-    """A dense torch_dist checkpoint read layer by layer (see megamoe.upcycle.source)."""
+    """A dense torch_dist checkpoint read layer by layer (see megamoe.checkpointing.source)."""
 
     format = "torch_dist"
     model_settings = None

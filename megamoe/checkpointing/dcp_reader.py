@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megamoe.checkpointing.torch_files import first_line
 from megamoe.checkpointing.safe_dcp import METADATA_FILE, SafeFileSystemReader, read_dcp_metadata
+from megamoe.checkpointing.torch_files import first_line
 from megamoe.errors import CheckpointError
 
 

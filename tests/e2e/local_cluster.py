@@ -5,7 +5,8 @@ Debian's `slurm-wlm` and `munge` packages provide the daemons (installed with ap
 `slurm.conf`, controller state, node spool folders and logs; only munge's socket sits in a short
 folder under /tmp (see `munge_socket_path`). The daemons run in the foreground as processes
 started here; their pids are written to `DIR/pids.json`, and stopping the cluster signals exactly
-those pids, nothing found by name.
+those pids, nothing found by name. Each daemon also dies with the process that started it (Linux's
+parent-death signal), so a test run that is killed or interrupted leaves no daemon behind.
 
 The two nodes share the machine: the first is named after `hostname -s`, the second `localhost`,
 because launch scripts use the first node's name as a rendezvous address, so both names must
@@ -22,12 +23,13 @@ Library use (tests)::
 
 Command line (humans)::
 
-    python launch/local_cluster.py up DIR     # prints the `export SLURM_CONF=...` line to use
-    python launch/local_cluster.py down DIR
+    python tests/e2e/local_cluster.py up DIR     # prints the `export SLURM_CONF=...` line to use
+    python tests/e2e/local_cluster.py down DIR
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import os
@@ -40,7 +42,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 # Debian installs the daemons into /usr/sbin, which is missing from many non-login PATHs.
 _SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
@@ -201,9 +203,11 @@ def ensure_installed(timeout: float = 600.0) -> None:
                            "not found in PATH or /usr/sbin")
 
 
-def start_cluster(root: str | Path, timeout: float = 60.0) -> LocalCluster:
+def start_cluster(root: str | Path, timeout: float = 60.0, outlive_caller: bool = False
+                  ) -> LocalCluster:
     """Install Slurm if needed, start munged, slurmctld and two slurmd under `root`, wait until
-    both nodes are idle and return the running cluster (call `teardown()` to stop it)."""
+    both nodes are idle and return the running cluster (call `teardown()` to stop it). The
+    daemons die with the calling process unless `outlive_caller` (the command line's `up`)."""
     ensure_installed()
     root = Path(root).resolve()
     if (root / "pids.json").is_file() and LocalCluster.from_dir(root).running():
@@ -230,14 +234,15 @@ def start_cluster(root: str | Path, timeout: float = 60.0) -> LocalCluster:
                                    f"--key-file={root / 'munge/munge.key'}",
                                    f"--pid-file={root / 'run/munged.pid'}",
                                    f"--seed-file={root / 'munge/munged.seed'}",
-                                   f"--log-file={root / 'log/munged.log'}"])
+                                   f"--log-file={root / 'log/munged.log'}"], outlive_caller)
         _wait_for(cluster, lambda: _munge_works(munge_socket), timeout, "munged to answer")
         # -c: start from a clean state, so a reused folder does not resurrect old jobs.
-        _spawn(cluster, "slurmctld", [_which("slurmctld"), "-D", "-c", "-f", conf])
+        _spawn(cluster, "slurmctld", [_which("slurmctld"), "-D", "-c", "-f", conf], outlive_caller)
         _wait_for(cluster, lambda: "UP" in _run_quiet(["scontrol", "ping"], cluster.env, 10),
                   timeout, "slurmctld to answer `scontrol ping`")
         for name in nodes:
-            _spawn(cluster, f"slurmd-{name}", [_which("slurmd"), "-D", "-f", conf, "-N", name])
+            _spawn(cluster, f"slurmd-{name}", [_which("slurmd"), "-D", "-f", conf, "-N", name],
+                   outlive_caller)
         _wait_for(cluster, lambda: set(_idle_nodes(cluster.env)) == set(nodes), timeout,
                   f"nodes {', '.join(nodes)} to be idle in sinfo")
     except BaseException:
@@ -284,7 +289,7 @@ def _slurm_conf(root: Path, munge_socket: Path, ctld_port: int, nodes: tuple[str
         f"CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN"
         for name, port in zip(nodes, node_ports))
     return f"""\
-# Written by launch/local_cluster.py: a two-node test cluster on one machine.
+# Written by tests/e2e/local_cluster.py: a two-node test cluster on one machine.
 ClusterName=localcluster
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={ctld_port}
@@ -316,12 +321,28 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
 
-def _spawn(cluster: LocalCluster, name: str, cmd: list[str]) -> None:
-    """Start one daemon in the foreground, in its own session, and record its pid."""
+def _dies_with(parent: int) -> Callable[[], None]:
+    """For `preexec_fn`: the child gets SIGTERM when `parent` exits (prctl PR_SET_PDEATHSIG),
+    and exits at once if `parent` is already gone."""
+    def arrange() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+    return arrange
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _spawn(cluster: LocalCluster, name: str, cmd: list[str], outlive_caller: bool) -> None:
+    """Start one daemon in the foreground, in its own session, tied to this process's life
+    (`_dies_with`) unless `outlive_caller`, and record its pid."""
     log = open(cluster.root / "log" / f"{name}.stdout", "ab")
     with log:
         child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
+                                 stderr=subprocess.STDOUT, start_new_session=True,
+                                 preexec_fn=None if outlive_caller else _dies_with(os.getpid()))
     cluster._children[name] = child
     cluster.pids[name] = child.pid
     record = {"nodes": list(cluster.nodes), "pids": cluster.pids}
@@ -444,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.action == "up":
-            cluster = start_cluster(args.dir, timeout=args.timeout)
+            cluster = start_cluster(args.dir, timeout=args.timeout, outlive_caller=True)
             print(f"nodes {' '.join(cluster.nodes)} idle; logs in {cluster.root / 'log'}")
             print(f"export SLURM_CONF={cluster.conf}")
         else:

@@ -1,0 +1,118 @@
+"""A megamoe router as Megatron-Core's finalize_model_grads expects to find one.
+
+Megatron-Core updates the expert biases itself (`_update_router_expert_bias`, once per step): it
+duck-types routers by their `expert_bias` and `local_tokens_per_expert` buffers, stacks the
+buffers of every router it finds and applies `b += u * sign(mean(c) - c)`, then zeroes the counts
+(`reset_model_temporary_tensors`); with `global_aux_loss` it calls
+`reset_global_aux_loss_tracker()` once per step. `megatron_router(cls)` adds that contract to a
+megamoe router class:
+
+- `local_tokens_per_expert`: the step's selections per expert, added at every counted forward;
+- both buffers of width W = `bias_width` (the widest router of a model with different expert
+  counts), because Megatron stacks them: the counts then hold E * c_i for the real experts and
+  sum(c) in the padding, so Megatron's rule computes exactly u * sign(mean(c) - c_i) for the real
+  experts and leaves the padding at 0. The state dict holds the real [E] bias only;
+- `bias_updated_by_host`: Megatron zeroed the counts since this router last added to them (their
+  version counter moved), so it has already applied this step's update and megamoe's
+  `step_balancing` must not apply it twice.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from megamoe.errors import ConfigError
+from megamoe.routing import Router, Routing
+
+
+class MegatronRouterCounts:
+    """Mixin over a megamoe `Router` class (see the module docstring)."""
+
+    def __init__(self, cfg, init_method=None, bias_width: Optional[int] = None):
+        super().__init__(cfg, init_method)
+        if self.bias_E is None:
+            return
+        E = cfg.num_experts
+        width = bias_width or E
+        if width < E:
+            raise ConfigError(f"bias_width={width} is below num_experts={E}")
+        self.expert_bias = torch.zeros(width, dtype=torch.float32)
+        self.register_buffer("local_tokens_per_expert", torch.zeros(width, dtype=torch.float32),
+                             persistent=False)
+        self._counts_version = self.local_tokens_per_expert._version
+
+    @property
+    def bias_E(self) -> Optional[torch.Tensor]:
+        """The real experts' bias [E] (a view of the padded buffer)."""
+        bias = getattr(self, "expert_bias", None)
+        return None if bias is None else bias[:self.cfg.num_experts]
+
+    def record(self, routing: Routing, losses: dict[str, torch.Tensor]) -> None:
+        if self.counts_this_forward() and self.bias_E is not None:
+            self._add_counts(routing.selected_TE.sum(0, dtype=torch.float32))
+        super().record(routing, losses)
+
+    def discard_step(self) -> None:
+        super().discard_step()
+        self.after_bias_update()
+
+    @property
+    def bias_updated_by_host(self) -> bool:
+        counts = getattr(self, "local_tokens_per_expert", None)
+        return counts is not None and counts._version != self._counts_version
+
+    @torch.no_grad()
+    def after_bias_update(self) -> None:
+        """Zero `local_tokens_per_expert` (megamoe's own update consumed them)."""
+        if self.bias_E is not None:
+            self.local_tokens_per_expert.zero_()
+            self._counts_version = self.local_tokens_per_expert._version
+
+    def reset_global_aux_loss_tracker(self) -> None:
+        """Megatron's once-per-step call under `global_aux_loss`: restart the step's running
+        global counts."""
+        self.load.reset_global_counts()
+
+    @torch.no_grad()
+    def _add_counts(self, counts_E: torch.Tensor) -> None:
+        E, buffer = self.cfg.num_experts, self.local_tokens_per_expert
+        if buffer.numel() == E:
+            buffer += counts_E
+        else:
+            buffer[:E] += E * counts_E
+            buffer[E:] += counts_E.sum()
+        self._counts_version = buffer._version
+
+    @property
+    def _padded(self) -> bool:
+        bias = getattr(self, "expert_bias", None)
+        return bias is not None and bias.numel() > self.cfg.num_experts
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._padded:
+            destination[prefix + "expert_bias"] = self.bias_E
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + "expert_bias"
+        if self._padded and key in state_dict:
+            padded = torch.zeros_like(self.expert_bias)
+            padded[:self.cfg.num_experts] = state_dict[key]
+            state_dict[key] = padded
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if "local_tokens_per_expert" in self._buffers:
+            self._counts_version = self.local_tokens_per_expert._version
+        return self
+
+
+@functools.cache
+def megatron_router(router_class: type[Router]) -> type[Router]:
+    """`router_class` with Megatron-Core's bias-update contract (one class per router type)."""
+    fp32 = tuple(dict.fromkeys((*router_class.fp32_buffers, "local_tokens_per_expert")))
+    return type(f"Megatron{router_class.__name__}", (MegatronRouterCounts, router_class),
+                {"fp32_buffers": fp32, "__doc__": router_class.__doc__})

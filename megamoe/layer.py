@@ -31,7 +31,8 @@ class MoELayer(nn.Module):
         over all of their tokens (`megamoe.balancing.losses`).
     Balance losses are attached to the output's gradient (`attach_losses`), so they train the
     router without changing the reported LM loss; their values are recorded for the step's
-    metrics. The layer is plain PyTorch: a host framework (Megatron-Core,
+    metrics. `balance_loss_scale` is their weight in the gradient: the weight the training loop
+    gives this forward's main loss (e.g. 1/R when R data-parallel ranks average it). The layer is plain PyTorch: a host framework (Megatron-Core,
     `megamoe.megatron.moe_module`) adapts it through `make_router`, `start_counting`, `report`,
     `loss_scale` and `attach_losses`.
     """
@@ -44,6 +45,7 @@ class MoELayer(nn.Module):
         self.ep_comm = ep_comm or SingleComm()
         self.replica_comm = replica_comm or SingleComm()
         self.token_comm = token_comm or SingleComm()
+        self.balance_loss_scale = 1.0
         cfg.check_expert_parallel(self.ep_comm.size)
         self.router = self.make_router(cfg, init_method)
         self.router.group_comm = self.ep_comm
@@ -107,8 +109,9 @@ class MoELayer(nn.Module):
         return 1.0
 
     def attach_losses(self, y_TD: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-        """`y_TD` with the weighted balance losses attached to its gradient (weight 1)."""
-        return attach_loss(y_TD, total)
+        """`y_TD` with the weighted balance losses attached to its gradient, with weight
+        `balance_loss_scale`."""
+        return attach_loss(y_TD, total, self.balance_loss_scale)
 
     def start_counting(self) -> None:
         """Before a counted forward (nothing here: `step_balancing` ends each step; a host

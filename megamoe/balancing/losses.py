@@ -97,19 +97,21 @@ def _at_least_one(num_tokens):
 
 
 class AttachLoss(torch.autograd.Function):
-    """`attach_loss(output, loss)`: returns `output` unchanged, and in the backward pass gives
-    `loss` the gradient 1, so the loss trains the parameters it depends on as if it were added to
-    the objective while the forward value (and the reported LM loss) stays the same."""
+    """`attach_loss(output, loss, scale)`: returns `output` unchanged, and in the backward pass
+    gives `loss` the gradient `scale`, so the loss trains the parameters it depends on as if
+    `scale * loss` were added to the objective while the forward value (and the reported LM
+    loss) stays the same."""
 
     @staticmethod
-    def forward(ctx, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, output: torch.Tensor, loss: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         ctx.save_for_backward(loss)
+        ctx.scale = scale
         return output
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (loss,) = ctx.saved_tensors
-        return grad_output, torch.ones_like(loss)
+        return grad_output, torch.full_like(loss, ctx.scale), None
 
 
 attach_loss = AttachLoss.apply

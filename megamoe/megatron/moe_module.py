@@ -87,7 +87,8 @@ class MegatronMoELayer(MoELayer):
         return megatron_router(ROUTERS[cfg.router_type])(cfg, init_method, self._bias_width)
 
     def attach_losses(self, y_TD, total):
-        """Megatron-Core's MoEAuxLossAutoScaler, whose scale Megatron's pipeline schedules set."""
+        """Megatron-Core's MoEAuxLossAutoScaler, whose scale Megatron's pipeline schedules set
+        (in place of `balance_loss_scale`)."""
         return MoEAuxLossAutoScaler.apply(y_TD, total)
 
     def start_counting(self) -> None:

@@ -54,8 +54,6 @@ def _sequences_per_rank(case: str, R: int) -> list[int]:
 def _layer_case(case: str, dispatcher: str, ep_comm, replica_comm) -> dict:
     """(got, expected) pairs of one case on this rank: output, input gradient, and the router,
     expert and shared-expert gradients (summed over ranks where parameters are replicated)."""
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
     from megamoe import MoEConfig
     from megamoe.layer import MoELayer
     from mock_ranks import expert_parallel_replica
@@ -78,7 +76,6 @@ def _layer_case(case: str, dispatcher: str, ep_comm, replica_comm) -> dict:
             x = x.abs()  # positive inputs, so negative router rows lose every token
             reference.router.weight[-L:] = -1.0
 
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     x_ref = x.clone().requires_grad_()
     if cfg.capacity_factor is None:
         y_ref = reference(x_ref)[0]
@@ -87,13 +84,13 @@ def _layer_case(case: str, dispatcher: str, ep_comm, replica_comm) -> dict:
     (y_ref * w).sum().backward()
 
     replica = expert_parallel_replica(reference, ep_comm, replica_comm)
-    # Megatron scales the balance losses like the main loss; summed over R ranks = reference.
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / R))
+    # The balance losses weigh like each rank's share of the main loss; summed over R ranks =
+    # the reference.
+    replica.balance_loss_scale = 1.0 / R
     mine = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
     x_ep = x[:, mine].clone().requires_grad_()
     y_ep = replica(x_ep)[0]
     (y_ep * w[:, mine]).sum().backward()
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
 
     def summed(grad):
         grad = grad.clone()

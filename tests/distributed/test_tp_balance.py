@@ -26,9 +26,6 @@ def test_tp2_sequence_parallel_router_grads_equal_tp1(tp2, case):
 
 @pytest.mark.parametrize("case", sorted(tp_workers.TP_CASES))
 def test_mock_tp2_router_grads_equal_tp1(case):
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     S, B, D = tp_workers.S, tp_workers.B, tp_workers.D
     cfg = MoEConfig(hidden_size=D, num_experts=8, ffn_hidden_size=8, topk=2, init_method_std=0.5,
                     **tp_workers.TP_CASES[case])

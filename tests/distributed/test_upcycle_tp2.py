@@ -43,7 +43,7 @@ def test_tp2_and_pp2_dense_checkpoints_upcycle_and_load(tmp_path):
 # ---------------------------------------------------------------- worker (one per rank)
 
 def _worker(workdir: Path) -> None:
-    sys.path[:0] = [str(HERE.parent / "unit"), str(HERE.parents[1])]
+    sys.path[:0] = [str(HERE.parent / "unit"), str(HERE.parent), str(HERE.parents[1])]
     import torch
     import torch.distributed as dist
     from megatron.core.models.gpt import GPTModel

@@ -32,9 +32,9 @@ class MoELayer(nn.Module):
     Balance losses are attached to the output's gradient (`attach_losses`), so they train the
     router without changing the reported LM loss; their values are recorded for the step's
     metrics. `balance_loss_scale` is their weight in the gradient: the weight the training loop
-    gives this forward's main loss (e.g. 1/R when R data-parallel ranks average it). The layer is plain PyTorch: a host framework (Megatron-Core,
-    `megamoe.megatron.moe_module`) adapts it through `make_router`, `start_counting`, `report`,
-    `loss_scale` and `attach_losses`.
+    gives this forward's main loss (e.g. 1/R when R data-parallel ranks average it). The layer
+    is plain PyTorch: a host framework (Megatron-Core, `megamoe.megatron.moe_module`) adapts it
+    through `make_router`, `start_counting`, `report`, `loss_scale` and `attach_losses`.
     """
 
     def __init__(self, cfg: MoEConfig, ep_comm: Optional[Comm] = None,

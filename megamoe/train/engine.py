@@ -11,7 +11,9 @@ through `get_forward_backward_func()` (no pipelining, 1F1B, or interleaved 1F1B 
 stages), whose `finalize_model_grads` finishes the gradient reduction (data-parallel
 reduce-scatter, sequence-parallel and tied-embedding all-reduces). Megatron's conventions: a
 micro-batch's loss is its mean over unmasked tokens divided by the number of micro-batches, and
-MoE balance losses are scaled alike (`MoEAuxLossAutoScaler`, set by the schedule).
+MoE balance losses are scaled alike (`MoEAuxLossAutoScaler`, set by the schedule). Every layer's
+dropout and router jitter draw from streams of (seed, step, micro-batch, layer)
+(`megamoe.megatron.layer_seeds`), so pipeline, expert and data parallelism do not change them.
 
 On CPU the same components run under `megamoe.megatron.cpu.cuda_as_cpu` (their CUDA
 allocations land on the CPU; collectives and point-to-point go over gloo). The optimizer state
@@ -38,6 +40,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 from megamoe.megatron.cpu import cuda_as_cpu
+from megamoe.megatron.layer_seeds import LayerSeeds
 from megamoe.megatron.masks import attention_mask_for
 from megamoe.train.config import TrainConfig
 from megamoe.train.data import Batch
@@ -67,6 +70,9 @@ class Engine:
         self.on_cuda = on_cuda
         self.routes_prompt = routes_prompt
         self.mask = attention_mask_for(config.model.seq_length, on_cuda)
+        self.layer_seeds = LayerSeeds(chunks, config.training.seed)
+        self._step = 0
+        self._forwards: list[int] = []
         with self.device_context():
             if on_cuda:
                 for chunk in chunks:
@@ -100,6 +106,12 @@ class Engine:
 
     def _forward_step(self, data_iterator: Iterator[Batch], model: torch.nn.Module):
         batch = next(data_iterator)
+        # This chunk's k-th forward of the step is micro-batch k of this data-parallel rank.
+        chunk = self.ddp.index(model)
+        local, self._forwards[chunk] = self._forwards[chunk], self._forwards[chunk] + 1
+        self.layer_seeds.start_microbatch(
+            self._step, local * parallel_state.get_data_parallel_world_size()
+            + parallel_state.get_data_parallel_rank())
         if self.on_cuda:
             batch = type(batch)(*(t.cuda(non_blocking=True) for t in batch))
         # A router that reads the prompt (SIMoE's) gets the instruction batch's prompt mask.
@@ -108,13 +120,16 @@ class Engine:
                           **prompt)
         return losses_BS, partial(_lm_loss, batch.loss_mask)
 
-    def forward_backward(self, batches: Iterator[Batch], num_microbatches: int) -> torch.Tensor:
-        """All micro-batches of one step through Megatron's schedule (gradients finalised).
+    def forward_backward(self, batches: Iterator[Batch], num_microbatches: int, step: int
+                         ) -> torch.Tensor:
+        """All micro-batches of optimizer step `step` through Megatron's schedule (gradients
+        finalised).
         Returns [sum of token losses, tokens] of this rank: zeros off the last pipeline stage and
         on tensor-parallel ranks but the first (they hold the same loss), so the sum over all
         ranks counts every token once. Every model chunk reads the step's micro-batches (a
         pipeline stage uses what it needs: the first the tokens, the last the labels)."""
         step_batches = [next(batches) for _ in range(num_microbatches)]
+        self._step, self._forwards = step, [0] * len(self.ddp)
         for ddp in self.ddp:
             ddp.train()
             ddp.zero_grad_buffer()

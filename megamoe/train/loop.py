@@ -225,7 +225,7 @@ def _train(run: _Run, stop: StopRequest) -> None:
         set_learning_rate(engine.optimizer, lr)
         if tracer is not None:
             tracer.reset()
-        totals = engine.forward_backward(batches, run.num_microbatches)
+        totals = engine.forward_backward(batches, run.num_microbatches, step)
         grad_norm = engine.grad_norm()
         # One collective: the loss over all ranks, whether any rank was signalled, and whether
         # any saw a non-finite loss or gradient norm.

@@ -18,6 +18,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
+from megamoe.megatron.seeded_init import initialise_weights
 from megamoe.megatron.specs import gpt_decoder_block_spec, moe_layer_pattern
 from megamoe.train.config import TrainConfig
 
@@ -118,7 +119,8 @@ def build_model(config: TrainConfig, tc: TransformerConfig, vocab_size: int
                 ) -> list[GPTModel]:
     """This pipeline rank's GPTModel chunks, one per virtual stage (`parallel.virtual_stages`):
     dense and megamoe layers as `model.first_k_dense` and `model.moe_layer_freq` say, per-layer
-    MoE overrides from `moe.layer_overrides`."""
+    MoE overrides from `moe.layer_overrides`. Their initial weights are those of
+    `training.seed` whatever the layout (`megamoe.megatron.seeded_init`)."""
     overrides = {layer: _moe_settings(config, layer) for layer in config.moe["layer_overrides"]}
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     virtual = config.parallel.virtual_stages
@@ -142,4 +144,5 @@ def build_model(config: TrainConfig, tc: TransformerConfig, vocab_size: int
             rope_scaling_factor=config.model.rope_scaling_factor or 8.0,
             vp_stage=vp_stage,
         ))
+    initialise_weights(chunks, tc, config.training.seed, sharded_state_metadata(config))
     return chunks

@@ -3,8 +3,8 @@
 Every job trains the same tiny GPT-MoE (layer 0 dense, layers 1-3 MoE with a shared expert,
 loss-free bias plus aux and z losses) through the real trainer (`megamoe.train.loop`) at one or
 more parallel layouts, one after the other in the same processes (megatron.core is imported once
-per process). Every run starts from the same initial weights (`checkpoint.init_from`, saved once
-by the single-process job), so a layout changes nothing but how the work is split.
+per process). Every run starts from the seed alone (no `checkpoint.init_from`): the initial
+weights are layout-invariant, so a layout changes nothing but how the work is split.
 
 A run's result: the per-step losses and gradient norms of metrics.jsonl, and every rank's
 expert biases ("layer N", global and 1-based -> tensor) at the end. Its checkpoints (at the end, and at RESUME_AT for
@@ -50,6 +50,16 @@ LAYOUTS = {
     "dp4_ep4": (4, {"expert": 4}),
     "tp2_pp2_ep2": (4, {"tensor": 2, "pipeline": 2, "expert": 2}),
 }
+# Dropout and router jitter on: their draws are layout-invariant across PP, EP and DP (not TP).
+RANDOM = {"model": {"hidden_dropout": 0.1, "attention_dropout": 0.1},
+          "moe": {"input_jitter_eps": 1.0e-2}}
+RANDOM_LAYOUTS = {  # name -> (processes, parallel section, training section)
+    "random_reference": (1, {}, {}),
+    "random_recompute_full": (1, {}, {"recompute": "full"}),
+    "random_pp2": (2, {"pipeline": 2}, {}),
+    "random_dp2_ep2": (2, {"expert": 2}, {}),
+    "random_ep2_pp2_vpp2": (4, {"expert": 2, "pipeline": 2, "virtual_stages": 2}, {}),
+}
 RECOMPUTE = {"recompute_full": {"recompute": "full"},
              "recompute_selective_mlp": {"recompute": "selective",
                                          "recompute_modules": ["core_attn", "layernorm", "mlp"]},
@@ -57,16 +67,17 @@ RECOMPUTE = {"recompute_full": {"recompute": "full"},
 
 
 def config_dict(data: dict, out: str, parallel: dict, training: dict = None,
-                init_from: str | None = None) -> dict:
+                sections: dict = None) -> dict:
+    """BASE with `parallel`, `training` settings and other `sections` (name -> settings)."""
     raw = json.loads(json.dumps(BASE))
     raw["output_dir"] = out
     raw["data"] = dict(data)
     raw["parallel"] = dict(parallel)
     raw["training"].update(training or {})
+    for name, settings in (sections or {}).items():
+        raw[name].update(settings)
     if Path(out).name in RESUME_SOURCES:
         raw["checkpoint"]["interval"] = RESUME_AT
-    if init_from:
-        raw["checkpoint"]["init_from"] = init_from
     return raw
 
 
@@ -136,29 +147,7 @@ def job(rank: int, world_size: int, runs: list[dict]) -> dict:
     return results
 
 
-# ---- the single-process job: initial weights, reference, and final-weight comparison -------
-
-def save_initial_weights(raw: dict, out: str) -> None:
-    """The model a run at `raw` starts from, saved as model weights (a torch_dist folder, what
-    `checkpoint.init_from` takes) in `out`."""
-    from megatron.core import dist_checkpointing
-
-    from megamoe.megatron.runtime import setup_megatron, teardown_megatron
-    from megamoe.train import loop
-    from megamoe.train.config import config_from_dict
-
-    raw = dict(raw, output_dir=f"{out}_run",
-               checkpoint={k: v for k, v in raw["checkpoint"].items() if k != "init_from"})
-    config = config_from_dict(raw)
-    setup_megatron(seed=config.training.seed)
-    try:
-        run = loop._prepare(config, False, False)
-        run.logger.close()
-        Path(out).mkdir(parents=True)
-        dist_checkpointing.save({"model": run.model.sharded_state_dict()}, out)
-    finally:
-        teardown_megatron()
-
+# ---- the single-process job: final-weight comparison ----------------------------------------
 
 def final_weights(raw: dict, folder: str) -> dict:
     """Every parameter and buffer of the single-process model loaded from the checkpoint
@@ -199,11 +188,3 @@ def weights_job(rank: int, world_size: int, runs: list[dict], compare: dict) -> 
     results["weight_diffs"] = diffs
     results["reference_bias"] = {k: v for k, v in reference.items() if k.endswith("expert_bias")}
     return results
-
-
-def init_job(rank: int, world_size: int, raw: dict, init_dir: str, runs: list[dict]) -> dict:
-    """Save the initial weights, then run `runs` (the reference and recompute runs)."""
-    _init_process_group()
-    save_initial_weights(raw, init_dir)
-    return job(rank, world_size, runs)
-

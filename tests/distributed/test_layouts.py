@@ -1,5 +1,6 @@
 """Every parallel layout trains the tiny GPT-MoE exactly as one process does, through the real
-trainer (Megatron-Core DDP, distributed optimizer, pipeline schedules, finalize_model_grads):
+trainer (Megatron-Core DDP, distributed optimizer, pipeline schedules, finalize_model_grads),
+every run starting from nothing but the same seed (the initial weights are layout-invariant):
 per-step losses and gradient norms, final weights and expert biases within 1e-4 (fp32), expert
 biases identical on every rank. Checkpoints saved at one layout resume at another (TP 2->1,
 PP 2->1->2, EP 2->4, TP2xPP2xEP2 -> one process) with the losses of an uninterrupted run at the
@@ -7,7 +8,7 @@ new layout. Full and selective activation recomputation give the same gradients 
 and biases (each token counted once).
 
 Spawns, in order (each imports megatron.core once and runs several layouts): one process
-(initial weights, reference, recompute runs), two (five layouts, first resume legs), four (three
+(reference, recompute runs), two (five layouts, first resume legs), four (three
 layouts, EP 2->4), one (resumes at one process, final weights of all), two (PP 1->2).
 """
 from __future__ import annotations
@@ -52,9 +53,8 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("layouts")
 
 
-def _raw(data, root, name, parallel, training=None):
-    return lw.config_dict(data, str(root / name), parallel, training,
-                          init_from=str(root / "init"))
+def _raw(data, root, name, parallel, training=None, sections=None):
+    return lw.config_dict(data, str(root / name), parallel, training, sections)
 
 
 def _spawn(label, world, fn, root, **kwargs):
@@ -66,18 +66,19 @@ def _spawn(label, world, fn, root, **kwargs):
 
 @pytest.fixture(scope="session")
 def world1a(data, root):
-    """Initial weights; the single-process reference; full and selective recompute."""
-    raw = _raw(data, root, "reference", {})
-    runs = [{"name": "reference", "raw": raw}] + [
+    """The single-process reference; full and selective recompute; dropout on."""
+    runs = [{"name": "reference", "raw": _raw(data, root, "reference", {})}] + [
         {"name": name, "raw": _raw(data, root, name, {}, settings)}
-        for name, settings in lw.RECOMPUTE.items()]
-    return _spawn("world1a", 1, lw.init_job, root, raw=raw, init_dir=str(root / "init"),
-                  runs=runs)
+        for name, settings in lw.RECOMPUTE.items()] + _layout_runs(data, root, 1)
+    return _spawn("world1a", 1, lw.job, root, runs=runs)
 
 
 def _layout_runs(data, root, world):
+    """The layouts of `world` processes, then those with dropout and router jitter on."""
     return [{"name": name, "raw": _raw(data, root, name, parallel)}
-            for name, (procs, parallel) in lw.LAYOUTS.items() if procs == world]
+            for name, (procs, parallel) in lw.LAYOUTS.items() if procs == world] + [
+        {"name": name, "raw": _raw(data, root, name, parallel, training, lw.RANDOM)}
+        for name, (procs, parallel, training) in lw.RANDOM_LAYOUTS.items() if procs == world]
 
 
 @pytest.fixture(scope="session")
@@ -172,6 +173,22 @@ def test_layout_trains_as_one_process(everything, name):
     assert weight_diff <= TOL, f"{worst}: {weight_diff}"
     assert any(k.endswith("expert_bias") for k in weight_diffs)
     _check_biases_replicated(ranks, name)
+
+
+@pytest.mark.parametrize("name", [n for n in lw.RANDOM_LAYOUTS if n != "random_reference"])
+def test_dropout_and_jitter_draw_as_one_process(everything, name):
+    """With dropout and router jitter on, pipeline, expert and data parallelism (and full
+    recomputation, which replays the draws) train as one process with the same draws."""
+    reference = everything[0][0]["random_reference"]
+    without = everything[0][0]["reference"]
+    got = _result(name, *everything)[0][name]
+    loss_diff = _max_diff(got["losses"], reference["losses"])
+    norm_diff = _max_diff(got["grad_norms"], reference["grad_norms"])
+    print(f"\nRANDOM {name}: max loss diff {loss_diff:.2e}, max grad norm diff {norm_diff:.2e} "
+          f"(dropout changes the loss by {_max_diff(reference['losses'], without['losses']):.2e})")
+    assert _max_diff(reference["losses"], without["losses"]) > 1e-3  # the draws matter
+    assert loss_diff <= TOL, (got["losses"], reference["losses"])
+    assert norm_diff <= TOL, (got["grad_norms"], reference["grad_norms"])
 
 
 def test_expert_biases_moved(everything):

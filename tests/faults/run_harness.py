@@ -142,10 +142,10 @@ def _record_main(result_dir: Path, argv: list[str]) -> int:
         run = prepare(*args, **kwargs)
         forward_backward = run.engine.forward_backward
 
-        def recording_forward_backward(batches, num_microbatches):
+        def recording_forward_backward(batches, num_microbatches, step):
             recorded["before"] = _snapshot(run)
             recorded["forwards"] = recorded.get("forwards", 0) + 1
-            return forward_backward(batches, num_microbatches)
+            return forward_backward(batches, num_microbatches, step)
 
         run.engine.forward_backward = recording_forward_backward
         recorded["run"] = run

@@ -1,0 +1,118 @@
+"""A seed defines the run at every layout: the tiny config trained from the same seed (no
+`checkpoint.init_from`) at one process and at several parallel layouts, through
+`python -m megamoe.train` under torchrun, as a user changes `parallel.*`.
+
+    python tools/study_layout_seed.py --out runs/study_layout_seed            # 8 steps
+    python tools/study_layout_seed.py --out /tmp/s --steps 3 --layouts tp2_sp,pp2
+    python tools/study_layout_seed.py --out /tmp/s model.hidden_dropout=0.1   # any override
+
+Prints, per layout, the step-1 loss and the largest loss difference from the one-process run
+over all steps against the bar (1e-4), and writes OUT/layout_seed.json (every step's loss per
+layout) and OUT/layout_seed.png (the curves). Exit code 1 when a layout misses the bar.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megamoe.atomic import atomic_write_text
+from megamoe.errors import ConfigError, run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny_cpu.yaml"
+BAR = 1e-4
+LAYOUTS = {  # name -> (processes, parallel overrides)
+    "tp2_sp": (2, {"tensor": 2, "expert": 1}),
+    "pp2": (2, {"pipeline": 2, "expert": 1}),
+    "dp2_ep2": (2, {"expert": 2}),
+    "ep2_tp2": (4, {"expert": 2, "tensor": 2}),
+    "pp2_vpp2": (2, {"pipeline": 2, "virtual_stages": 2, "expert": 1}),
+}
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="runs/study_layout_seed", help="study folder")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS),
+                        help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="trainer config overrides of every run")
+    args = parser.parse_args(argv)
+    args.layouts = [name for name in args.layouts.split(",") if name]
+    unknown = [name for name in args.layouts if name not in LAYOUTS]
+    if unknown or not args.layouts:
+        raise ConfigError(f"--layouts {unknown or '(empty)'}: choose from {', '.join(LAYOUTS)}")
+    if args.steps < 1:
+        raise ConfigError(f"--steps={args.steps} must be >= 1")
+    return args
+
+
+def train(out: Path, processes: int, parallel: dict, steps: int, overrides: list[str]
+          ) -> list[float]:
+    """Train the tiny config at one layout; the loss of every step."""
+    launcher = [sys.executable, "-m", "megamoe.train"]
+    if processes > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={processes}", "-m", "megamoe.train"]
+    settings = [f"parallel.{key}={value}" for key, value in parallel.items()]
+    done = subprocess.run(
+        launcher + ["--config", str(TINY), f"output_dir={out}", f"training.train_steps={steps}",
+                    "checkpoint.interval=0", "logging.interval=1", "logging.progress_bar=false",
+                    "logging.tensorboard=false", *overrides, *settings],
+        capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"the run in {out} failed:\n{done.stderr[-3000:]}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r and "event" not in r]
+
+
+def plot(curves: dict[str, list[float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, losses in curves.items():
+        ax.plot(range(1, len(losses) + 1), losses, marker="o", label=name, alpha=0.7)
+    ax.set(xlabel="step", ylabel="training loss", title="tiny config, one seed, every layout")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    curves = {}
+    runs = [("one_process", 1, {"expert": 1})] + [(n, *LAYOUTS[n]) for n in args.layouts]
+    for number, (name, processes, parallel) in enumerate(runs, 1):
+        start = time.monotonic()
+        print(f"[{number}/{len(runs)}] {name}: {processes} process(es), parallel {parallel}",
+              flush=True)
+        curves[name] = train(out / name, processes, parallel, args.steps, args.overrides)
+        print(f"    done in {time.monotonic() - start:.0f} s", flush=True)
+    reference = curves["one_process"]
+    print(f"\n{'layout':<14} {'step-1 loss':>12} {'max loss diff vs 1 process':>28}")
+    worst = 0.0
+    for name, losses in curves.items():
+        diff = max(abs(a - b) for a, b in zip(losses, reference))
+        worst = max(worst, diff)
+        print(f"{name:<14} {losses[0]:>12.5f} {diff:>28.2e}")
+    verdict = "meets" if worst <= BAR else "misses"
+    print(f"\nlargest difference {worst:.2e}: {verdict} the bar ({BAR:.0e})")
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "layout_seed.json",
+                      json.dumps({"steps": args.steps, "bar": BAR, "losses": curves}, indent=1))
+    plot(curves, out / "layout_seed.png")
+    print(f"wrote {out / 'layout_seed.json'} and {out / 'layout_seed.png'}")
+    return 0 if worst <= BAR else 1
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -20,7 +20,6 @@ rank; megamoe does not do that.
 from __future__ import annotations
 
 import functools
-import hashlib
 
 import torch
 from megatron.core import parallel_state
@@ -29,14 +28,10 @@ from megatron.core.models.common.embeddings.language_model_embedding import \
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker, get_cuda_rng_tracker
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megamoe.megatron.seeded_init import hashed_seed
+
 MICROBATCH_KEY = "megamoe-microbatch"
 """The tracked-RNG-state entry holding (step, micro-batch index) while a micro-batch runs."""
-
-
-def stream_seed(*parts) -> int:
-    """A 63-bit generator seed from `parts` (a hash, so nearby keys give unrelated streams)."""
-    text = "/".join(map(str, parts)).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 
 class LayerSeeds:
@@ -68,9 +63,9 @@ class LayerSeeds:
         if not module.training or MICROBATCH_KEY not in states:
             return
         step, index = states[MICROBATCH_KEY].tolist()
-        torch.manual_seed(stream_seed(self.seed, step, index, layer))
+        torch.manual_seed(hashed_seed(self.seed, step, index, layer))
         fresh = CudaRNGStatesTracker()
         for name in states:
             if name != MICROBATCH_KEY:
-                fresh.add(name, stream_seed(self.seed, step, index, layer, name, self.tp_rank))
+                fresh.add(name, hashed_seed(self.seed, step, index, layer, name, self.tp_rank))
         tracker.set_states({**fresh.get_states(), MICROBATCH_KEY: states[MICROBATCH_KEY]})

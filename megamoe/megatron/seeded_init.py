@@ -71,10 +71,15 @@ def init_std(key: str, config: Any) -> Optional[float]:
                      "suffix to megamoe.megatron.seeded_init")
 
 
+def hashed_seed(*parts) -> int:
+    """A 63-bit generator seed from `parts` (a hash, so nearby keys give unrelated streams)."""
+    text = "/".join(map(str, parts)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
 def block_seed(seed: int, key: str, unit: tuple[int, ...], block: int) -> int:
     """The generator seed of one block of the full tensor `key` at prepended offsets `unit`."""
-    text = f"{seed}/{key}/{','.join(map(str, unit))}/{block}".encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+    return hashed_seed(seed, key, ",".join(map(str, unit)), block)
 
 
 def full_tensor_slice(seed: int, key: str, unit: tuple[int, ...], shape: tuple[int, ...],

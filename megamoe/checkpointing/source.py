@@ -8,8 +8,8 @@ suffix within a layer (e.g. `self_attention.linear_qkv.weight`, `mlp.linear_fc1.
 Accepted paths: a Hugging Face model directory (`config.json` + safetensors, read by
 megamoe.checkpointing.hf_source), a Megatron-LM checkpoint root
 (`latest_checkpointed_iteration.txt` names the iteration), a root holding `iter_*` directories
-(the latest is taken), or one checkpoint directory: torch_dist (`metadata.json` + `.metadata` + `*.distcp`) or legacy per-rank files
-(`mp_rank_XX[_YYY]/model_optim_rng.pt`).
+(the latest is taken), or one checkpoint directory: torch_dist (`metadata.json` + `.metadata`
++ `*.distcp`) or legacy per-rank files (`mp_rank_XX[_YYY]/model_optim_rng.pt`).
 """
 from __future__ import annotations
 

@@ -65,8 +65,10 @@ def setup_megatron(
     It first applies `enable_local_fallbacks()` and, without CUDA, `enable_megatron_on_cpu()`.
     A process group that already exists is used as is; otherwise one is created (env:// when
     RANK and WORLD_SIZE are set, else a single process). Collectives that wait longer than
-    `timeout_s` (a dead rank) raise instead of hanging. Seeds the CPU generator (CPU weight initialisation) and Megatron's tracked
-    data-, tensor- and expert-parallel RNG states with `seed`.
+    `timeout_s` (a dead rank) raise instead of hanging. Seeds the CPU generator (Megatron's CPU
+    weight initialisation) and Megatron's tracked data-, tensor- and expert-parallel RNG states
+    with `seed`; the trainer then redraws the weights layout-invariantly
+    (`megamoe.megatron.seeded_init`).
     """
     if parallel_state.model_parallel_is_initialized():
         raise ConfigError(

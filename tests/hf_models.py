@@ -1,5 +1,5 @@
-"""Tiny random Hugging Face dense models of each architecture megamoe converts, saved with
-safetensors (sharded when asked), for the interop tests."""
+"""Tiny random Hugging Face models of each architecture megamoe converts (dense and MoE), saved
+with safetensors (sharded when asked), for the interop tests."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,12 +18,30 @@ ARCHS = {
     "mistral": dict(rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=4096),
     "qwen2": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
     "qwen3": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, head_dim=32),
+    "mixtral": dict(rope_theta=1000000.0, rms_norm_eps=1e-5, intermediate_size=64,
+                    num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    # Layer 0 dense (mlp_only_layers), gates not renormalised, gated shared expert, QKV biases.
+    "qwen2_moe": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, mlp_only_layers=[0],
+                      norm_topk_prob=False, tie_word_embeddings=True),
+    "qwen3_moe": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, head_dim=32, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    # MLA with a q rank, 8 experts in 2 groups (1 per token), a dense first layer, 1 shared
+    # expert, gates scaled by 2.5, a non-zero correction bias (set below).
+    "deepseek_v3": dict(rope_theta=10000.0, rms_norm_eps=1e-6, num_key_value_heads=4,
+                        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                        routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=16,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
 }
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 
 def save_tiny_hf_model(arch: str, directory: Path, shard_size: str | None = "100KB",
                        seed: int = 0, **overrides) -> Path:
-    """A random `arch` model (weights std 0.1, so logits are not flat) saved to `directory`."""
+    """A random `arch` model (weights std 0.1, so logits are not flat; DeepSeek-V3's correction
+    biases N(0, 0.1), so they change the routing) saved to `directory`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(arch, **{**BASE, **ARCHS[arch], **overrides})
@@ -35,6 +53,9 @@ def save_tiny_hf_model(arch: str, directory: Path, shard_size: str | None = "100
                 param.normal_(0, 0.1)
             else:
                 param.uniform_(0.5, 1.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.1)
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(str(directory), **kwargs)
     return directory

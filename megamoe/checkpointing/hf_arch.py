@@ -110,11 +110,21 @@ def read_hf_arch(directory: Path) -> HFArch:
     where = directory / CONFIG_FILE
     kind = config.get("model_type")
     if kind in MOE_TYPES or any(config.get(key) for key in MOE_CONFIG_KEYS):
-        raise CheckpointError(f"{where}: model_type {kind!r} is already an MoE model; the "
-                              "upcycler needs a dense Llama, Mistral or Qwen2/Qwen3 model")
+        raise CheckpointError(f"{where}: model_type {kind!r} is already an MoE model; import it "
+                              "with tools/import_hf.py (the upcycler needs a dense Llama, "
+                              "Mistral or Qwen2/Qwen3 model)")
     if kind not in DENSE_TYPES:
         raise CheckpointError(f"{where}: unknown architecture model_type={kind!r}; supported: "
                               f"{', '.join(DENSE_TYPES)}")
+    return parse_hf_arch(config, where, qkv_bias=kind == "qwen2" or
+                         bool(config.get("attention_bias", False)), qk_norm=kind == "qwen3")
+
+
+def parse_hf_arch(config: dict, where: Path, qkv_bias: bool, qk_norm: bool) -> HFArch:
+    """The attention, dense-MLP, norm and RoPE settings of any supported `config` (dense or
+    MoE), refusing what megamoe cannot reproduce; `qkv_bias` and `qk_norm` as the
+    architecture defines them."""
+    kind = config.get("model_type")
     if config.get("quantization_config"):
         quantization = config["quantization_config"]
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
@@ -123,11 +133,11 @@ def read_hf_arch(directory: Path) -> HFArch:
     if config.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: hidden_act={config['hidden_act']!r}; megamoe's SwiGLU "
                               "uses silu")
-    if config.get("use_sliding_window") and kind in ("qwen2", "qwen3"):
+    if config.get("use_sliding_window"):
         raise CheckpointError(f"{where}: use_sliding_window=true is not supported (megamoe "
                               "trains full causal attention)")
     try:
-        sizes = {name: _size(config, name, where) for name in SIZE_LIMITS
+        sizes = {name: whole_field(config, name, where) for name in SIZE_LIMITS
                  if config.get(name) is not None}
         heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
         kv_heads = sizes.get("num_key_value_heads", heads)
@@ -143,11 +153,10 @@ def read_hf_arch(directory: Path) -> HFArch:
             num_attention_heads=heads, num_key_value_heads=kv_heads,
             head_dim=sizes.get("head_dim", hidden // heads),
             intermediate_size=sizes["intermediate_size"], vocab_size=sizes["vocab_size"],
-            rope_theta=_positive(theta, "rope_theta", where), rope_scaling_factor=factor,
-            rms_norm_eps=_positive(config.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
+            rope_theta=positive_field(theta, "rope_theta", where), rope_scaling_factor=factor,
+            rms_norm_eps=positive_field(config.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=kind == "qwen2" or bool(config.get("attention_bias", False)),
-            qk_norm=kind == "qwen3",
+            qkv_bias=qkv_bias, qk_norm=qk_norm,
             max_position_embeddings=sizes.get("max_position_embeddings", 4096))
     except KeyError as err:
         raise CheckpointError(f"{where} lacks {err.args[0]!r}; it is not a complete "
@@ -164,9 +173,10 @@ SIZE_LIMITS = {"num_hidden_layers": 1 << 12, "hidden_size": 1 << 17,
                "max_position_embeddings": 1 << 24}
 
 
-def _size(config: dict, name: str, where: Path) -> int:
-    """config[name] as a whole number in 1..SIZE_LIMITS[name], else a one-line error."""
-    value, limit = config[name], SIZE_LIMITS[name]
+def whole_field(config: dict, name: str, where: Path, limit: Optional[int] = None) -> int:
+    """config[name] as a whole number in 1..limit (default SIZE_LIMITS[name]), else a one-line
+    error."""
+    value, limit = config[name], limit or SIZE_LIMITS[name]
     whole = isinstance(value, int) and not isinstance(value, bool)
     if not whole or not 1 <= value <= limit:
         raise CheckpointError(f"{where}: {name}={value!r:.40} must be a whole number from 1 to "
@@ -174,7 +184,7 @@ def _size(config: dict, name: str, where: Path) -> int:
     return value
 
 
-def _positive(value: Any, name: str, where: Path) -> float:
+def positive_field(value: Any, name: str, where: Path) -> float:
     number = float(value)
     if not math.isfinite(number) or number <= 0:
         raise CheckpointError(f"{where}: {name}={value!r:.40} must be a positive finite number")

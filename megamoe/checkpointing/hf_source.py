@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -39,12 +39,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 NON_LAYER = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
              "model.norm.weight": "decoder.final_layernorm.weight",
              "lm_head.weight": "output_layer.weight"}
-DIRECT = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-          "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
-          "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
-          "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
-          "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-          "mlp.down_proj.weight": "mlp.linear_fc2.weight"}
+ATTENTION = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+             "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+             "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+             "self_attn.k_norm.weight": "self_attention.k_layernorm.weight"}
+POST_ATTENTION_NORM = "mlp.linear_fc1.layer_norm_weight"
+"""Where Megatron's local and Transformer Engine GPT specs keep the pre-MLP norm."""
 # Megatron's linear layers save an `_extra_state` object (None without Transformer Engine) that
 # its loader asks for; written as such, so Megatron-Core and Megatron-LM load the output.
 LINEAR_EXTRA_STATE = ("self_attention.linear_qkv._extra_state",
@@ -72,12 +72,54 @@ def split_qkv(qkv: torch.Tensor, arch: HFArch) -> tuple[torch.Tensor, torch.Tens
     return tuple(t.reshape(-1, *tail).contiguous() for t in (q, k, v))
 
 
-def _none_bytes() -> bytes:
+def attention_tensors(arch: HFArch, read: Callable[[str], torch.Tensor],
+                      present: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """A layer's grouped-query attention (and its input norm) in Megatron's keys, from the HF
+    tensors `read(suffix)` gives (see the module docstring)."""
+    tensors = {mg: read(hf) for hf, mg in ATTENTION.items() if present(hf)}
+    groups = arch.num_key_value_heads
+    tensors["self_attention.linear_qkv.weight"] = interleave_qkv(
+        read("self_attn.q_proj.weight"), read("self_attn.k_proj.weight"),
+        read("self_attn.v_proj.weight"), groups)
+    if arch.qkv_bias:
+        tensors["self_attention.linear_qkv.bias"] = interleave_qkv(
+            read("self_attn.q_proj.bias"), read("self_attn.k_proj.bias"),
+            read("self_attn.v_proj.bias"), groups)
+    return tensors
+
+
+def glu_fc1(read: Callable[[str], torch.Tensor], gate: str, up: str) -> torch.Tensor:
+    """Megatron's SwiGLU fc1 [gate; up] from HF's `<gate>.weight` and `<up>.weight`."""
+    return torch.cat([read(gate + ".weight"), read(up + ".weight")])
+
+
+def none_bytes() -> bytes:
     """`None` serialized as Megatron's torch_dist strategy stores a sharded object (a list of
     the shards' data, `strategies/torch.py` `_mcore_to_torch_sharded_object`)."""
     buffer = io.BytesIO()
     torch.save([None], buffer)
     return buffer.getvalue()
+
+
+def tensor_shapes(a: HFArch) -> dict[str, tuple[int, ...]]:
+    """The shape config.json implies for each dense-model tensor (per-layer ones by their
+    suffix)."""
+    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    return {"model.embed_tokens.weight": (a.vocab_size, a.hidden_size),
+            "lm_head.weight": (a.vocab_size, a.hidden_size),
+            "model.norm.weight": (a.hidden_size,),
+            "input_layernorm.weight": (a.hidden_size,),
+            "post_attention_layernorm.weight": (a.hidden_size,),
+            "self_attn.q_proj.weight": (q, a.hidden_size),
+            "self_attn.k_proj.weight": (kv, a.hidden_size),
+            "self_attn.v_proj.weight": (kv, a.hidden_size),
+            "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+            "self_attn.v_proj.bias": (kv,),
+            "self_attn.o_proj.weight": (a.hidden_size, q),
+            "self_attn.q_norm.weight": (a.head_dim,), "self_attn.k_norm.weight": (a.head_dim,),
+            "mlp.gate_proj.weight": (a.intermediate_size, a.hidden_size),
+            "mlp.up_proj.weight": (a.intermediate_size, a.hidden_size),
+            "mlp.down_proj.weight": (a.hidden_size, a.intermediate_size)}
 
 
 def is_hf_directory(path: Path) -> bool:
@@ -119,7 +161,7 @@ class HFSource:
         if not self.arch.tie_word_embeddings and "lm_head.weight" not in self.reader:
             raise CheckpointError(f"{self.directory} lacks lm_head.weight but config.json says "
                                   "tie_word_embeddings=false; the checkpoint is incomplete")
-        expected = self._expected_shapes()
+        expected = tensor_shapes(self.arch)
         for name, shape in self.reader.shapes.items():
             want = expected.get(name.split(".", 3)[-1] if name.startswith("model.layers.")
                                 else name)
@@ -128,44 +170,17 @@ class HFSource:
                                       f"but config.json implies {list(want)}; the weights and "
                                       "the config differ")
 
-    def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The shape config.json implies for each tensor (per-layer ones by their suffix)."""
-        a = self.arch
-        q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
-        return {"model.embed_tokens.weight": (a.vocab_size, a.hidden_size),
-                "lm_head.weight": (a.vocab_size, a.hidden_size),
-                "model.norm.weight": (a.hidden_size,),
-                "input_layernorm.weight": (a.hidden_size,),
-                "post_attention_layernorm.weight": (a.hidden_size,),
-                "self_attn.q_proj.weight": (q, a.hidden_size),
-                "self_attn.k_proj.weight": (kv, a.hidden_size),
-                "self_attn.v_proj.weight": (kv, a.hidden_size),
-                "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-                "self_attn.v_proj.bias": (kv,),
-                "self_attn.o_proj.weight": (a.hidden_size, q),
-                "self_attn.q_norm.weight": (a.head_dim,), "self_attn.k_norm.weight": (a.head_dim,),
-                "mlp.gate_proj.weight": (a.intermediate_size, a.hidden_size),
-                "mlp.up_proj.weight": (a.intermediate_size, a.hidden_size),
-                "mlp.down_proj.weight": (a.hidden_size, a.intermediate_size)}
-
     def layer(self, index: int) -> DenseLayer:
         prefix = HF_LAYER.format(index)
 
         def read(suffix: str) -> torch.Tensor:
             return self.reader.read(prefix + suffix)
 
-        tensors = {mg: read(hf) for hf, mg in DIRECT.items() if prefix + hf in self.reader}
-        groups = self.arch.num_key_value_heads
-        tensors["self_attention.linear_qkv.weight"] = interleave_qkv(
-            read("self_attn.q_proj.weight"), read("self_attn.k_proj.weight"),
-            read("self_attn.v_proj.weight"), groups)
-        if self.arch.qkv_bias:
-            tensors["self_attention.linear_qkv.bias"] = interleave_qkv(
-                read("self_attn.q_proj.bias"), read("self_attn.k_proj.bias"),
-                read("self_attn.v_proj.bias"), groups)
-        tensors["mlp.linear_fc1.weight"] = torch.cat([read("mlp.gate_proj.weight"),
-                                                      read("mlp.up_proj.weight")])
-        return DenseLayer(tensors, {key: _none_bytes() for key in LINEAR_EXTRA_STATE})
+        tensors = attention_tensors(self.arch, read, lambda suffix: prefix + suffix in self.reader)
+        tensors[POST_ATTENTION_NORM] = read("post_attention_layernorm.weight")
+        tensors["mlp.linear_fc1.weight"] = glu_fc1(read, "mlp.gate_proj", "mlp.up_proj")
+        tensors["mlp.linear_fc2.weight"] = read("mlp.down_proj.weight")
+        return DenseLayer(tensors, {key: none_bytes() for key in LINEAR_EXTRA_STATE})
 
     def non_layer_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for hf, mg in NON_LAYER.items():

@@ -155,13 +155,13 @@ def _write_parts(source: DenseSource, pattern: list[bool], layout: KeyLayout,
                 items = dense_layer_items(layout, index, dense)
             written = writer.write_part(*items)
             del dense, items
-            metrics.append(_metric(f"layer {index}", is_moe, written, start))
+            metrics.append(part_metric(f"layer {index}", is_moe, written, start))
             bar.update(1)
         start, written = time.perf_counter(), 0
         for key, tensor in source.non_layer_tensors():
             written += writer.write_part([whole_tensor(key, tensor)])
         written += writer.write_part((), source.non_layer_objects())
-        metrics.append(_metric("embeddings and output layer", False, written, start))
+        metrics.append(part_metric("embeddings and output layer", False, written, start))
         bar.update(1)
     return metrics, mlp_info
 
@@ -176,7 +176,7 @@ def _check_same_mlp(info: dict, mlp: MLPWeights, layer: int) -> None:
     info.update(shape)
 
 
-def _metric(part: str, moe: bool, written: int, start: float) -> dict:
+def part_metric(part: str, moe: bool, written: int, start: float) -> dict:
     seconds = time.perf_counter() - start
     return {"part": part, "moe": moe, "seconds": round(seconds, 4), "bytes": written,
             "mb_per_s": round(written / 1e6 / max(seconds, 1e-9), 2)}

@@ -33,9 +33,11 @@ def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits.float()
 
 
-def megamoe_logits(checkpoint_dir: Path, sections: dict, tokens: torch.Tensor) -> torch.Tensor:
+def megamoe_logits(checkpoint_dir: Path, sections: dict, tokens: torch.Tensor,
+                   expert_parallel: int = 1) -> torch.Tensor:
     """Logits [B, S, V] of the megamoe model that `sections` builds, with the weights of the
-    torch_dist checkpoint at `checkpoint_dir`."""
+    torch_dist checkpoint at `checkpoint_dir`; its experts split over `expert_parallel` ranks
+    (every rank of the world computes the same batch)."""
     from megatron.core import parallel_state
 
     from megamoe.megatron.masks import causal_attention_mask
@@ -46,10 +48,11 @@ def megamoe_logits(checkpoint_dir: Path, sections: dict, tokens: torch.Tensor) -
 
     model_section = {**sections["model"], "seq_length": max(tokens.shape[1],
                                                              sections["model"].get("seq_length", 1))}
-    config = config_from_dict({"model": model_section, "moe": sections["moe"]})
+    config = config_from_dict({"model": model_section, "moe": sections["moe"],
+                               "parallel": {"expert": expert_parallel}})
     own_state = not parallel_state.model_parallel_is_initialized()
     if own_state:
-        setup_megatron()
+        setup_megatron(expert_model_parallel_size=expert_parallel)
     try:
         (model,) = build_model(config, transformer_config(config, on_cuda=False, bf16=False),
                                vocab_size=sections["vocab_size"])

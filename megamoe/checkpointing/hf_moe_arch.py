@@ -1,0 +1,279 @@
+"""A released Hugging Face MoE model's `config.json` (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3)
+as the `model` and `moe` sections of a megamoe training config that computes the same function.
+
+`read_hf_moe_model(dir)` returns an `HFMoEModel`: the attention/norm/RoPE settings shared with
+the dense architectures (`megamoe.checkpointing.hf_arch`), the routed layers (`HFMoE`) and, for
+DeepSeek-V3, multi-head latent attention (`HFMLA`). What the source expresses that megamoe cannot
+is refused in one line naming the field:
+
+- Mixtral (Jiang et al., arXiv 2401.04088): softmax top-k, gates renormalised over the chosen
+  experts, every layer MoE; a sliding window is refused.
+- Qwen2-MoE / Qwen3-MoE: softmax top-k, renormalised when `norm_topk_prob` (else the softmax over
+  all experts, megamoe's `pre_softmax`); MoE layers where `(i + 1) % decoder_sparse_step == 0`
+  and `i` not in `mlp_only_layers`, dense ones elsewhere; Qwen2-MoE's sigmoid-gated shared
+  expert and QKV biases; Qwen3-MoE's per-head QK norm.
+- DeepSeek-V3 (arXiv 2412.19437): sigmoid scores, selection by scores plus
+  `e_score_correction_bias` (megamoe's loss-free expert bias, arXiv 2408.15664, which keeps
+  training from the imported values) within the `topk_group` best of `n_group` groups, each
+  scored by its top-2 biased scores (megamoe's `topk / groups_per_token`, so that ratio must be
+  2), gates renormalised (`norm_topk_prob`) and scaled by `routed_scaling_factor`;
+  `n_shared_experts` ungated shared experts; the first `first_k_dense_replace` layers dense; MLA
+  with low-rank q (`q_lora_rank`, or a full q projection when null) and kv (`kv_lora_rank`)
+  projections, RMSNorm on both latents, and decoupled RoPE (`qk_rope_head_dim`) on DeepSeek's
+  interleaved pairs (`rope_interleave`; a source without it is permuted into that convention).
+  Multi-token-prediction layers (`num_nextn_predict_layers`) are megamoe-incompatible; their
+  weights, when the files hold them, are refused unless dropped explicitly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from megamoe.checkpointing.hf_arch import (CONFIG_FILE, DENSE_TYPES, HFArch, parse_hf_arch,
+                                           positive_field, read_config_json, whole_field)
+from megamoe.errors import CheckpointError
+
+MOE_IMPORT_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+MAX_EXPERTS = 1 << 14
+"""More routed experts than this (16,384) is refused as a corrupt config."""
+DEEPSEEK_GROUP_SCORE_TOPK = 2
+"""DeepSeek-V3 scores an expert group by the sum of its two best biased scores."""
+
+
+@dataclass(frozen=True)
+class HFMoE:
+    """The routed layers of a Hugging Face MoE model, in megamoe's terms."""
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int
+    pattern: tuple[bool, ...]
+    """Per layer: MoE (True) or dense MLP."""
+    score_function: str = "softmax"
+    pre_softmax: bool = False
+    shared_expert_ffn_size: Optional[int] = None
+    shared_expert_gate: bool = False
+    num_groups: Optional[int] = None
+    groups_per_token: Optional[int] = None
+    topk_scaling_factor: Optional[float] = None
+    expert_bias: bool = False
+    """DeepSeek-V3's `e_score_correction_bias`, imported as megamoe's loss-free expert bias."""
+    aux_loss_coeff: float = 1e-2
+
+    def moe_settings(self) -> dict[str, Any]:
+        """The megamoe training config's `moe` section."""
+        balancing = ["bias", "seq_aux_loss"] if self.expert_bias else "aux_loss"
+        return dict(num_experts=self.num_experts, ffn_hidden_size=self.ffn_hidden_size,
+                    topk=self.topk, score_function=self.score_function,
+                    pre_softmax=self.pre_softmax, topk_scaling_factor=self.topk_scaling_factor,
+                    num_groups=self.num_groups, groups_per_token=self.groups_per_token,
+                    shared_expert_ffn_size=self.shared_expert_ffn_size,
+                    shared_expert_gate=self.shared_expert_gate, balancing=balancing,
+                    aux_loss_coeff=self.aux_loss_coeff)
+
+
+@dataclass(frozen=True)
+class HFMLA:
+    """DeepSeek's multi-head latent attention sizes (arXiv 2405.04434), Megatron's names."""
+
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_head_dim: int
+    """Per head: the query/key part without RoPE (HF `qk_nope_head_dim`)."""
+    qk_pos_emb_head_dim: int
+    """Per head: the decoupled RoPE part (HF `qk_rope_head_dim`)."""
+    v_head_dim: int
+    rope_interleave: bool
+
+    def model_settings(self) -> dict[str, Any]:
+        return dict(multi_latent_attention=True, q_lora_rank=self.q_lora_rank,
+                    kv_lora_rank=self.kv_lora_rank, qk_head_dim=self.qk_head_dim,
+                    qk_pos_emb_head_dim=self.qk_pos_emb_head_dim, v_head_dim=self.v_head_dim)
+
+
+@dataclass(frozen=True)
+class HFMoEModel:
+    arch: HFArch
+    moe: HFMoE
+    mla: Optional[HFMLA] = None
+    mtp_layers: int = 0
+    """DeepSeek-V3's multi-token-prediction layers announced by the config."""
+
+    @property
+    def model_type(self) -> str:
+        return self.arch.model_type
+
+    def train_sections(self) -> dict[str, dict]:
+        """The `model` and `moe` sections of a megamoe training config for this model."""
+        model = self.arch.model_settings()
+        if self.mla is not None:
+            for gqa_only in ("num_query_groups", "kv_channels", "qk_layernorm", "add_qkv_bias"):
+                model.pop(gqa_only)
+            model.update(self.mla.model_settings())
+        pattern = self.moe.pattern
+        model["moe_layer_freq"] = 1 if all(pattern) else [int(moe) for moe in pattern]
+        return {"model": model, "moe": self.moe.moe_settings()}
+
+
+def read_hf_moe_model(directory: Path) -> HFMoEModel:
+    """The MoE model in `directory`, checked to be one megamoe reproduces (module docstring)."""
+    config = read_config_json(directory)
+    where = directory / CONFIG_FILE
+    kind = config.get("model_type")
+    if kind in DENSE_TYPES:
+        raise CheckpointError(f"{where}: model_type {kind!r} is dense; read it with "
+                              "megamoe.checkpointing.hf_arch.read_hf_arch")
+    if kind not in MOE_IMPORT_TYPES:
+        raise CheckpointError(f"{where}: model_type={kind!r} cannot be imported; supported MoE "
+                              f"architectures: {', '.join(MOE_IMPORT_TYPES)}")
+    fields = _Fields(config, where)
+    if kind == "mixtral":
+        return _mixtral(config, fields, where)
+    if kind in ("qwen2_moe", "qwen3_moe"):
+        return _qwen_moe(config, fields, where, kind)
+    return _deepseek_v3(config, fields, where)
+
+
+class _Fields:
+    """Typed, bounded reads of config.json fields, each failure one line naming the field."""
+
+    def __init__(self, config: dict, where: Path):
+        self.config, self.where = config, where
+
+    def whole(self, name: str, limit: int = MAX_EXPERTS, default: Any = None) -> int:
+        if self.config.get(name) is None:
+            if default is None:
+                raise CheckpointError(f"{self.where} lacks {name!r}; it is not a complete "
+                                      f"{self.config.get('model_type')} config")
+            return default
+        return whole_field(self.config, name, self.where, limit)
+
+    def positive(self, name: str, default: float) -> float:
+        try:
+            return positive_field(self.config.get(name, default), name, self.where)
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{self.where}: {name}={self.config.get(name)!r:.40} must be "
+                                  "a positive number") from None
+
+    def flag(self, name: str, default: bool) -> bool:
+        value = self.config.get(name, default)
+        if not isinstance(value, bool):
+            raise CheckpointError(f"{self.where}: {name}={value!r:.40} must be true or false")
+        return value
+
+    def refuse_if(self, condition: bool, name: str, why: str) -> None:
+        if condition:
+            raise CheckpointError(f"{self.where}: {name}={self.config.get(name)!r:.60} is not "
+                                  f"supported ({why})")
+
+
+def _aux_coeff(fields: _Fields) -> float:
+    value = fields.config.get("router_aux_loss_coef", 1e-2)
+    return 1e-2 if not value else fields.positive("router_aux_loss_coef", 1e-2)
+
+
+def _check_topk(fields: _Fields, experts: int, topk: int) -> None:
+    if topk > experts:
+        raise CheckpointError(f"{fields.where}: num_experts_per_tok={topk} exceeds the "
+                              f"{experts} routed experts; the config is corrupt")
+
+
+def _mixtral(config: dict, fields: _Fields, where: Path) -> HFMoEModel:
+    fields.refuse_if(config.get("sliding_window") is not None, "sliding_window",
+                     "megamoe trains full causal attention; set it to null if the model's "
+                     "context never exceeds it")
+    arch = parse_hf_arch(config, where, qkv_bias=False, qk_norm=False)
+    experts, topk = fields.whole("num_local_experts"), fields.whole("num_experts_per_tok")
+    _check_topk(fields, experts, topk)
+    moe = HFMoE(num_experts=experts, topk=topk, ffn_hidden_size=arch.intermediate_size,
+                pattern=(True,) * arch.num_layers, aux_loss_coeff=_aux_coeff(fields))
+    return HFMoEModel(arch, moe)
+
+
+def _qwen_moe(config: dict, fields: _Fields, where: Path, kind: str) -> HFMoEModel:
+    qwen2 = kind == "qwen2_moe"
+    if not qwen2:
+        fields.refuse_if(bool(config.get("attention_bias")), "attention_bias",
+                         "megamoe's attention output projection has no bias")
+    arch = parse_hf_arch(config, where, qkv_bias=qwen2 and fields.flag("qkv_bias", True),
+                         qk_norm=not qwen2)
+    # transformers 5 saves Qwen3-MoE's `num_experts` under its attribute-map name.
+    experts = fields.whole("num_experts" if config.get("num_experts") is not None
+                           else "num_local_experts")
+    topk = fields.whole("num_experts_per_tok")
+    _check_topk(fields, experts, topk)
+    step = fields.whole("decoder_sparse_step", default=1)
+    dense = config.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(not isinstance(i, int) or isinstance(i, bool)
+                                          for i in dense):
+        raise CheckpointError(f"{where}: mlp_only_layers={dense!r:.60} must be a list of layer "
+                              "indices")
+    pattern = tuple(i not in dense and (i + 1) % step == 0 for i in range(arch.num_layers))
+    if not any(pattern):
+        raise CheckpointError(f"{where}: decoder_sparse_step={step} / mlp_only_layers leave no "
+                              "MoE layer; import it as a dense model")
+    shared = fields.whole("shared_expert_intermediate_size", limit=1 << 20) if qwen2 else None
+    moe = HFMoE(num_experts=experts, topk=topk,
+                ffn_hidden_size=fields.whole("moe_intermediate_size", limit=1 << 20),
+                pattern=pattern, pre_softmax=not fields.flag("norm_topk_prob", False),
+                shared_expert_ffn_size=shared, shared_expert_gate=qwen2,
+                aux_loss_coeff=_aux_coeff(fields))
+    return HFMoEModel(arch, moe)
+
+
+def _deepseek_v3(config: dict, fields: _Fields, where: Path) -> HFMoEModel:
+    fields.refuse_if(bool(config.get("attention_bias")), "attention_bias",
+                     "megamoe's MLA projections have no biases")
+    # `head_dim` of a DeepSeek config is the RoPE width, not an attention head size.
+    arch = parse_hf_arch({**config, "head_dim": None}, where, qkv_bias=False, qk_norm=False)
+    if arch.rope_scaling_factor is not None:
+        raise CheckpointError(f"{where}: rope scaling is not supported for MLA models")
+    if arch.num_key_value_heads != arch.num_attention_heads:
+        raise CheckpointError(f"{where}: num_key_value_heads={arch.num_key_value_heads} must "
+                              f"equal num_attention_heads={arch.num_attention_heads} for MLA")
+    experts, topk = fields.whole("n_routed_experts"), fields.whole("num_experts_per_tok")
+    _check_topk(fields, experts, topk)
+    groups, per_token = fields.whole("n_group", default=1), fields.whole("topk_group", default=1)
+    if experts % groups or per_token > groups:
+        raise CheckpointError(f"{where}: n_group={groups} / topk_group={per_token} do not split "
+                              f"{experts} experts; the config is inconsistent")
+    if groups > 1 and (topk % per_token or topk // per_token != DEEPSEEK_GROUP_SCORE_TOPK):
+        raise CheckpointError(f"{where}: num_experts_per_tok={topk} / topk_group={per_token}: "
+                              "megamoe scores a group by its top topk/groups_per_token experts, "
+                              f"DeepSeek-V3 by its top {DEEPSEEK_GROUP_SCORE_TOPK}; the two "
+                              "agree only when that ratio is 2")
+    fields.refuse_if(not fields.flag("norm_topk_prob", True) and topk > 1, "norm_topk_prob",
+                     "megamoe always renormalises top-k sigmoid gates")
+    fields.refuse_if(topk == 1, "num_experts_per_tok",
+                     "a single sigmoid gate renormalised to 1 is not megamoe's top-1 gate")
+    first_dense = fields.whole("first_k_dense_replace", limit=arch.num_layers, default=0)
+    fields.refuse_if(fields.whole("moe_layer_freq", default=1) != 1, "moe_layer_freq",
+                     "DeepSeek-V3 has MoE in every layer after the first dense ones")
+    ffn = fields.whole("moe_intermediate_size", limit=1 << 20)
+    shared = fields.whole("n_shared_experts", limit=1 << 10, default=0) if \
+        config.get("n_shared_experts") else 0
+    scaling = fields.positive("routed_scaling_factor", 1.0)
+    moe = HFMoE(num_experts=experts, topk=topk, ffn_hidden_size=ffn,
+                pattern=tuple(i >= first_dense for i in range(arch.num_layers)),
+                score_function="sigmoid", shared_expert_ffn_size=shared * ffn or None,
+                num_groups=groups if groups > 1 else None,
+                groups_per_token=per_token if groups > 1 else None,
+                topk_scaling_factor=None if scaling == 1.0 else scaling, expert_bias=True,
+                aux_loss_coeff=1e-4)
+    q_rank = fields.whole("q_lora_rank", limit=1 << 16) if config.get("q_lora_rank") else None
+    mla = HFMLA(q_lora_rank=q_rank, kv_lora_rank=fields.whole("kv_lora_rank", limit=1 << 16),
+                qk_head_dim=fields.whole("qk_nope_head_dim", limit=1 << 12),
+                qk_pos_emb_head_dim=_even(fields, "qk_rope_head_dim"),
+                v_head_dim=fields.whole("v_head_dim", limit=1 << 12),
+                rope_interleave=fields.flag("rope_interleave", True))
+    mtp = fields.whole("num_nextn_predict_layers", limit=64, default=0) if \
+        config.get("num_nextn_predict_layers") else 0
+    return HFMoEModel(arch, moe, mla, mtp)
+
+
+def _even(fields: _Fields, name: str) -> int:
+    value = fields.whole(name, limit=1 << 12)
+    if value % 2:
+        raise CheckpointError(f"{fields.where}: {name}={value} must be even (RoPE rotates pairs)")
+    return value

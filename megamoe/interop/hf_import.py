@@ -1,0 +1,109 @@
+"""Import a released Hugging Face model as a megamoe checkpoint, to continue its pretraining.
+
+MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3; `megamoe.checkpointing.hf_moe_source`)
+become a torch_dist checkpoint in Megatron-LM's layout, as the upcycler writes one:
+`OUT/latest_checkpointed_iteration.txt` ("release"), `OUT/release/` (with megamoe's checksum
+manifest and the `model`/`moe` config sections in its common state under `megamoe_model`, which
+tools/export_hf.py reads), `OUT/train_config.yaml` (those sections, for
+`python -m megamoe.train --config OUT/train_config.yaml checkpoint.init_from=OUT`),
+`OUT/hf_tokenizer/` (the model's tokenizer files) and `OUT/import_metrics.jsonl` (seconds, bytes
+and MB/s per layer). Dense models (Llama, Mistral, Qwen2, Qwen3) take the dense conversion
+(`megamoe.interop.hf_dense`). Everything is written to a temporary directory renamed to OUT
+only when the conversion and `verify` succeeded; memory holds one layer and one expert.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import yaml
+from tqdm import tqdm
+
+from megamoe.atomic import atomic_directory
+from megamoe.checkpointing.dcp_writer import StreamingCheckpointWriter
+from megamoe.checkpointing.hf_arch import DENSE_TYPES, read_config_json
+from megamoe.checkpointing.hf_moe_source import HFMoESource
+from megamoe.checkpointing.layout import RELEASE, TRACKER
+from megamoe.checkpointing.manifest import write_manifest
+from megamoe.paths import refuse_overlap
+from megamoe.upcycle.convert import (MODEL_SECTIONS_KEY, TOKENIZER_DIR, TRAIN_CONFIG_FILE,
+                                     VERIFY_TOLERANCE, part_metric)
+from megamoe.upcycle.hf_logits import require_within
+
+METRICS_FILE = "import_metrics.jsonl"
+
+
+def import_hf(load, save, overwrite: bool = False, verify: bool = False, drop_mtp: bool = False,
+              progress: bool = True, log: Callable[[str], None] = print) -> Optional[float]:
+    """Write the Hugging Face model at `load` as a megamoe checkpoint at `save` (see the
+    module docstring); returns the verify figure (max |logit difference| against transformers)
+    when asked. drop_mtp: import a DeepSeek-V3 model without its multi-token-prediction layers."""
+    load = Path(load)
+    refuse_overlap(save, [load])
+    if read_config_json(load).get("model_type") in DENSE_TYPES:
+        from megamoe.interop.hf_dense import convert_hf_dense
+
+        return convert_hf_dense(load, save, overwrite=overwrite, verify=verify, log=log)
+    source = HFMoESource(load, drop_mtp=drop_mtp)
+    sections = source.model.train_sections()
+    start = time.perf_counter()
+    with atomic_directory(save, overwrite=overwrite) as tmp:
+        log(f"importing {source.description}: {source.layout.kind} keys")
+        if source.dropped_mtp:
+            log(f"dropping {source.dropped_mtp} multi-token-prediction layer(s) (--drop-mtp)")
+        checkpoint_dir = tmp / RELEASE
+        checkpoint_dir.mkdir()
+        writer = StreamingCheckpointWriter(checkpoint_dir)
+        metrics = _write_layers(source, writer, progress)
+        record = {"tool": "megamoe.interop.hf_import", "source": str(load.resolve()),
+                  "model_type": source.arch.model_type,
+                  "dropped_mtp_layers": source.dropped_mtp}
+        writer.finish({"checkpoint_version": 3.0, "iteration": 0, MODEL_SECTIONS_KEY: sections,
+                       "hf_import": record})
+        write_manifest(checkpoint_dir)
+        (tmp / TRACKER).write_text(RELEASE)
+        (tmp / TRAIN_CONFIG_FILE).write_text(yaml.safe_dump(sections, sort_keys=False))
+        if source.side_files:
+            (tmp / TOKENIZER_DIR).mkdir()
+            for path in source.side_files:
+                shutil.copyfile(path, tmp / TOKENIZER_DIR / path.name)
+        (tmp / METRICS_FILE).write_text("".join(json.dumps(m) + "\n" for m in metrics))
+        seconds = time.perf_counter() - start
+        log(f"wrote {writer.bytes_written / 2**20:.1f} MiB in {seconds:.1f} s; train with: "
+            f"python -m megamoe.train --config {save}/{TRAIN_CONFIG_FILE} "
+            f"checkpoint.init_from={save}")
+        diff = _verify(load, checkpoint_dir, sections, log) if verify else None
+    return diff
+
+
+def _write_layers(source: HFMoESource, writer: StreamingCheckpointWriter,
+                  progress: bool) -> list[dict]:
+    metrics = []
+    # Closed before an error leaves, so the one-line error is the last line on stderr.
+    with tqdm(total=source.num_layers + 1, desc="import", unit="layer",
+              disable=not progress) as bar:
+        for index in range(source.num_layers):
+            start = time.perf_counter()
+            written = writer.write_part(*source.layer_items(index))
+            metrics.append(part_metric(f"layer {index}", source.moe.pattern[index], written,
+                                       start))
+            bar.update(1)
+        start = time.perf_counter()
+        written = writer.write_part(source.non_layer_items())
+        metrics.append(part_metric("embeddings and output layer", False, written, start))
+        bar.update(1)
+    return metrics
+
+
+def _verify(load: Path, checkpoint_dir: Path, sections: dict, log: Callable[[str], None]
+            ) -> float:
+    from megamoe.upcycle.hf_logits import hf_vs_megamoe
+
+    diff = hf_vs_megamoe(load, checkpoint_dir, sections)
+    log(f"verify: max |logit diff| transformers vs megamoe = {diff:.3e} "
+        f"(bar {VERIFY_TOLERANCE:.0e})")
+    require_within(diff, VERIFY_TOLERANCE, "logit")
+    return diff

@@ -1,0 +1,53 @@
+"""Import a Hugging Face model (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3; dense Llama, Mistral,
+Qwen2, Qwen3) as a megamoe checkpoint, to continue its pretraining at any layout.
+
+    python tools/import_hf.py --load HF_DIR --save OUT [--verify] [--drop-mtp] [--overwrite]
+
+HF_DIR: config.json and safetensors (sharded or not). OUT: a torch_dist checkpoint in Megatron-LM's
+layout (`OUT/release/`), `OUT/train_config.yaml` and the tokenizer (`OUT/hf_tokenizer/`); train it
+with `python -m megamoe.train --config OUT/train_config.yaml checkpoint.init_from=OUT` and write it
+back with `tools/export_hf.py --load RUN/checkpoints --save HF_OUT --arch <the same>`. Dense models
+are converted as `tools/upcycle_ckpt.py --dense` does. The conversion streams one layer at a time,
+with a progress bar (stderr). `--verify` compares transformers' logits (fp32, CPU) with megamoe's
+(max |difference| <= 1e-4). What megamoe cannot express, and bad input, give one line on stderr and
+exit code 2, and leave no output behind.
+"""
+from __future__ import annotations
+
+import argparse
+import warnings
+
+# megatron-core warns on import that Transformer Engine and Apex are absent: not the user's
+# concern here, and it would bury the one-line error of bad input.
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+
+from megamoe.errors import CliArgumentParser, run_cli  # noqa: E402
+from megamoe.interop.hf_import import import_hf  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = CliArgumentParser(description=__doc__.split("\n\n")[0], prog="import_hf.py")
+    p.add_argument("--load", required=True, help="Hugging Face model directory")
+    p.add_argument("--save", required=True, help="output directory (Megatron-LM layout)")
+    p.add_argument("--verify", action="store_true",
+                   help="compare transformers' logits with megamoe's (max |diff| <= 1e-4)")
+    p.add_argument("--drop-mtp", action="store_true",
+                   help="DeepSeek-V3: import without the multi-token-prediction layers the "
+                        "files hold (megamoe does not train them)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --save")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    diff = import_hf(args.load, args.save, overwrite=args.overwrite, verify=args.verify,
+                     drop_mtp=args.drop_mtp, progress=not args.no_progress)
+    print(f"megamoe checkpoint: {args.save}")
+    if diff is not None:
+        print(f"max |logit diff| transformers vs megamoe: {diff:.3e}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

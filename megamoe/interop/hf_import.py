@@ -14,23 +14,20 @@ only when the conversion and `verify` succeeded; memory holds one layer and one 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
-import yaml
 from tqdm import tqdm
 
 from megamoe.atomic import atomic_directory
 from megamoe.checkpointing.dcp_writer import StreamingCheckpointWriter
 from megamoe.checkpointing.hf_arch import DENSE_TYPES, read_config_json
 from megamoe.checkpointing.hf_moe_source import HFMoESource
-from megamoe.checkpointing.layout import RELEASE, TRACKER
-from megamoe.checkpointing.manifest import write_manifest
+from megamoe.checkpointing.layout import RELEASE
 from megamoe.paths import refuse_overlap
-from megamoe.upcycle.convert import (MODEL_SECTIONS_KEY, TOKENIZER_DIR, TRAIN_CONFIG_FILE,
-                                     VERIFY_TOLERANCE, part_metric)
+from megamoe.upcycle.convert import (TRAIN_CONFIG_FILE, VERIFY_TOLERANCE, finish_release,
+                                     part_metric)
 from megamoe.upcycle.hf_logits import require_within
 
 METRICS_FILE = "import_metrics.jsonl"
@@ -61,15 +58,8 @@ def import_hf(load, save, overwrite: bool = False, verify: bool = False, drop_mt
         record = {"tool": "megamoe.interop.hf_import", "source": str(load.resolve()),
                   "model_type": source.arch.model_type,
                   "dropped_mtp_layers": source.dropped_mtp}
-        writer.finish({"checkpoint_version": 3.0, "iteration": 0, MODEL_SECTIONS_KEY: sections,
-                       "hf_import": record})
-        write_manifest(checkpoint_dir)
-        (tmp / TRACKER).write_text(RELEASE)
-        (tmp / TRAIN_CONFIG_FILE).write_text(yaml.safe_dump(sections, sort_keys=False))
-        if source.side_files:
-            (tmp / TOKENIZER_DIR).mkdir()
-            for path in source.side_files:
-                shutil.copyfile(path, tmp / TOKENIZER_DIR / path.name)
+        finish_release(tmp, writer, {"checkpoint_version": 3.0, "iteration": 0,
+                                     "hf_import": record}, sections, source.side_files)
         (tmp / METRICS_FILE).write_text("".join(json.dumps(m) + "\n" for m in metrics))
         seconds = time.perf_counter() - start
         log(f"wrote {writer.bytes_written / 2**20:.1f} MiB in {seconds:.1f} s; train with: "

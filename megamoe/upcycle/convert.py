@@ -114,18 +114,9 @@ def upcycle_checkpoint(load, save, recipe: UpcycleRecipe, overwrite: bool = Fals
         common = {"checkpoint_version": 3.0, "iteration": 0, "upcycle_recipe": record}
         if source.args is not None:
             common["args"] = _moe_args(source.args, record["megatron_settings"])
-        sections = train_sections(source.model_settings, record)
-        if sections is not None:
-            common[MODEL_SECTIONS_KEY] = sections
-            (tmp / TRAIN_CONFIG_FILE).write_text(yaml.safe_dump(sections, sort_keys=False))
-        writer.finish(common)
-        write_manifest(checkpoint_dir)
-        (tmp / TRACKER).write_text(RELEASE)
+        finish_release(tmp, writer, common, train_sections(source.model_settings, record),
+                       source.side_files)
         (tmp / RECIPE_FILE).write_text(json.dumps(record, indent=2) + "\n")
-        if source.side_files:
-            (tmp / TOKENIZER_DIR).mkdir()
-            for path in source.side_files:
-                shutil.copyfile(path, tmp / TOKENIZER_DIR / path.name)
         (tmp / METRICS_FILE).write_text("".join(json.dumps(m) + "\n" for m in metrics))
         seconds = time.perf_counter() - start
         log(f"wrote {writer.bytes_written / 2**20:.1f} MiB in {seconds:.1f} s "
@@ -133,6 +124,24 @@ def upcycle_checkpoint(load, save, recipe: UpcycleRecipe, overwrite: bool = Fals
         max_diff = _verify(source, checkpoint_dir, record, arch_overrides, log) if verify else None
     return UpcycleResult(save, save / RELEASE, record, writer.bytes_written, seconds,
                          max_diff)
+
+
+def finish_release(tmp: Path, writer: StreamingCheckpointWriter, common: dict,
+                   sections: Optional[dict], side_files: list[Path]) -> None:
+    """Complete a converter's output in Megatron-LM's layout under `tmp`: the checkpoint's common
+    state (with the training config's `model`/`moe` sections, also written as
+    train_config.yaml, when there are any), megamoe's checksum manifest, the tracker, and the
+    Hugging Face tokenizer files in `hf_tokenizer/`."""
+    if sections is not None:
+        common = {**common, MODEL_SECTIONS_KEY: sections}
+        (tmp / TRAIN_CONFIG_FILE).write_text(yaml.safe_dump(sections, sort_keys=False))
+    writer.finish(common)
+    write_manifest(tmp / RELEASE)
+    (tmp / TRACKER).write_text(RELEASE)
+    if side_files:
+        (tmp / TOKENIZER_DIR).mkdir()
+        for path in side_files:
+            shutil.copyfile(path, tmp / TOKENIZER_DIR / path.name)
 
 
 def _write_parts(source: DenseSource, pattern: list[bool], layout: KeyLayout,

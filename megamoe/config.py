@@ -63,6 +63,11 @@ class MoEConfig:
     groups_per_token: Optional[int] = None
     """Group-limited routing: how many groups a token may pick its experts from."""
 
+    group_score_topk: Optional[int] = None
+    """Group-limited routing: a group's score is the sum of its this-many best (biased) expert
+    scores (DeepSeek-V3: 2, whatever its top-k). None takes Megatron-Core's rule, topk /
+    groups_per_token, which needs topk to be a multiple of groups_per_token."""
+
     balancing: Union[str, list[str]] = "aux_loss"
     """One of, or a list combining: `bias` (loss-free balancing, arXiv 2408.15664),
     `aux_loss` (Switch loss, arXiv 2101.03961, counts over the micro-batch's whole sequences),
@@ -333,10 +338,18 @@ class MoEConfig:
                 f"groups_per_token={self.groups_per_token} must be in 1..num_groups="
                 f"{self.num_groups}"
             )
-        if self.topk % self.groups_per_token:
+        if self.group_score_topk is None and self.topk % self.groups_per_token:
             raise ConfigError(
                 f"topk={self.topk} is not a multiple of groups_per_token={self.groups_per_token}; "
-                "each chosen group contributes topk/groups_per_token experts"
+                "a group is scored by its best topk/groups_per_token experts unless "
+                "group_score_topk says how many"
+            )
+        experts_per_group = self.num_experts // self.num_groups
+        if self.group_score_topk is not None and not (
+                0 < self.group_score_topk <= experts_per_group):
+            raise ConfigError(
+                f"group_score_topk={self.group_score_topk} must be in 1..{experts_per_group} "
+                "(the experts of one group)"
             )
         experts_in_chosen_groups = self.groups_per_token * self.num_experts // self.num_groups
         if self.topk > experts_in_chosen_groups:
@@ -344,6 +357,12 @@ class MoEConfig:
                 f"topk={self.topk} exceeds the {experts_in_chosen_groups} experts in "
                 f"groups_per_token={self.groups_per_token} groups; raise groups_per_token"
             )
+
+    @property
+    def experts_scoring_a_group(self) -> int:
+        """Group-limited routing: how many of a group's best expert scores add up to its
+        score (`group_score_topk`, else topk / groups_per_token)."""
+        return self.group_score_topk or self.topk // self.groups_per_token
 
     @property
     def torch_router_dtype(self) -> torch.dtype:

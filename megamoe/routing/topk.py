@@ -1,8 +1,9 @@
 """Top-k routing with softmax or sigmoid scores, optionally group-limited.
 
 Group-limited routing follows DeepSeek-V2 (arXiv 2405.04434) / DeepSeek-V3 (arXiv 2412.19437):
-a token first picks `groups_per_token` groups by the sum of its top `topk/groups_per_token`
-scores in each group, then its top-k experts inside them.
+a token first picks `groups_per_token` groups by the sum of its best `group_score_topk` scores in
+each group (DeepSeek-V3: 2; by default `topk/groups_per_token`, Megatron-Core's rule), then its
+top-k experts inside them.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class TopKRouter(Router):
         choice_TE = self.selection_scores(scores_TE)
         if cfg.num_groups is not None:
             allowed_TE = group_limited_mask(choice_TE, cfg.num_groups, cfg.groups_per_token,
-                                            cfg.topk // cfg.groups_per_token)
+                                            cfg.experts_scoring_a_group)
             choice_TE = choice_TE.masked_fill(~allowed_TE, float("-inf"))
         topk_idx_TK = choice_TE.topk(cfg.topk, dim=-1).indices
         selected_TE = torch.zeros_like(scores_TE, dtype=torch.bool)

@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 
 
-def naive_topk(scores, k, bias=None, num_groups=None, groups_per_token=None):
-    """Per token: the indices of the k highest (scores + bias), group-limited if asked."""
+def naive_topk(scores, k, bias=None, num_groups=None, groups_per_token=None,
+               group_score_topk=None):
+    """Per token: the indices of the k highest (scores + bias), group-limited if asked (a
+    group scored by its best group_score_topk scores, k // groups_per_token if None)."""
     T, E = scores.shape
     chosen = []
     for t in range(T):
@@ -19,7 +21,7 @@ def naive_topk(scores, k, bias=None, num_groups=None, groups_per_token=None):
         allowed = list(range(E))
         if num_groups:
             size = E // num_groups
-            per_group = k // groups_per_token
+            per_group = group_score_topk or k // groups_per_token
             group_score = [sum(sorted(s[g * size:(g + 1) * size], reverse=True)[:per_group])
                            for g in range(num_groups)]
             best = sorted(range(num_groups), key=lambda g: -group_score[g])[:groups_per_token]

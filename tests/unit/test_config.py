@@ -22,6 +22,8 @@ BASE = dict(hidden_size=16, num_experts=8, ffn_hidden_size=32)
     (dict(num_groups=4), "group-limited routing needs both set"),
     (dict(num_groups=4, groups_per_token=5), "groups_per_token=5 must be in 1..num_groups=4"),
     (dict(num_groups=4, groups_per_token=2, topk=3), "topk=3 is not a multiple of groups_per_token=2"),
+    (dict(num_groups=4, groups_per_token=2, topk=2, group_score_topk=3),
+     "group_score_topk=3 must be in 1..2"),
     (dict(num_groups=4, groups_per_token=1, topk=3), "topk=3 exceeds the 2 experts in"),
     (dict(capacity_factor=0.0), "capacity_factor=0.0 must be > 0"),
     (dict(aux_loss_coeff=-1.0), "aux_loss_coeff=-1.0 is negative"),

@@ -43,12 +43,17 @@ def test_topk_matches_naive(score_function, pre_softmax, scaling):
     assert float(routing.gates_TE[~routing.selected_TE].abs().sum()) == 0.0
 
 
-def test_group_limited_topk_matches_naive():
-    router = make_router(topk=4, num_groups=4, groups_per_token=2, score_function="sigmoid")
+@pytest.mark.parametrize("topk, group_score_topk", [(4, None), (3, 2), (2, 1)])
+def test_group_limited_topk_matches_naive(topk, group_score_topk):
+    """Groups scored by topk / groups_per_token experts (Megatron-Core's rule), or by
+    group_score_topk (DeepSeek-V3's 2 whatever the top-k; a top-k not a multiple of it)."""
+    router = make_router(topk=topk, num_groups=4, groups_per_token=2, score_function="sigmoid",
+                         group_score_topk=group_score_topk)
     x = torch.randn(T, D)
     routing = router(x)
     scores = (x @ router.weight.detach().t()).sigmoid()
-    expected = naive_topk(scores, 4, num_groups=4, groups_per_token=2)
+    expected = naive_topk(scores, topk, num_groups=4, groups_per_token=2,
+                          group_score_topk=group_score_topk)
     assert chosen_sets(routing.selected_TE) == [set(c) for c in expected]
     groups_used = [{e // 2 for e in c} for c in chosen_sets(routing.selected_TE)]
     assert all(len(g) <= 2 for g in groups_used)

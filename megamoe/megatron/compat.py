@@ -17,6 +17,8 @@ checks every entry on the installed version (CI runs it on both).
 | 0.19 | a torch_dist writer's exception (e.g. ENOSPC) reaches the caller only as its class name; the message is only logged | `checkpoint_writer_errors` |
 | 0.19 | the gradient buffers' `start_grad_sync` / `finish_grad_sync` call `torch.cuda.current_stream()` on every sync (0.16 touched streams only with overlapping communication) | covered version-independently by `megamoe.megatron.cpu.cuda_as_cpu` (stand-in streams and events) |
 | 0.16 only | `moe_utils.te_general_gemm` is referenced but undefined without Transformer Engine | `te_general_gemm_missing` |
+| 0.16 only | `multi_latent_attention.HAVE_TE` is True without Transformer Engine (its TE names are stand-in mocks), so MLA's `isinstance(linear_proj, TELinear)` raises | `mla_claims_transformer_engine` |
+| 0.19 | MLA resolves its query/key-value norms and projections through `QKNormConfigResolver`, which wants a fused norm+linear query projection when `q_lora_rank` is None | `mla_qk_norm_resolver` |
 | 0.19 | `get_gpt_layer_local_spec` lost `moe_use_legacy_grouped_gemm`, and the legacy `GroupedMLP` is gone | `HAS_LEGACY_GROUPED_MLP` |
 | 0.16 only | `BlendedDataset` asks torch.distributed for the rank even without a process group | `process_group_for_dataset_build` |
 | 0.19 | TransformerLayer builds a plugin mlp with `config, pg_collection, is_mtp_layer, name` (0.16: `config` only) | handled by `MegatronMoELayer.__init__`'s signature, which takes both |
@@ -198,6 +200,26 @@ def te_general_gemm_missing() -> bool:
     from megatron.core.transformer.moe import moe_utils
 
     return not hasattr(moe_utils, "te_general_gemm")
+
+
+def mla_claims_transformer_engine() -> bool:
+    """0.16 only: `multi_latent_attention` sets `HAVE_TE` when importing Megatron's Transformer
+    Engine extension succeeds, which it does without Transformer Engine (0.19 takes the
+    extension's own `HAVE_TE`, False without it)."""
+    from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.transformer import multi_latent_attention
+
+    return multi_latent_attention.HAVE_TE and not te_extension.HAVE_TE
+
+
+def mla_qk_norm_resolver() -> Any:
+    """0.19: the class through which MLA resolves its latent norms and up projections
+    (`transformer/mla_qk_norm_config.py`); None on 0.16, whose MLA builds the spec's modules."""
+    try:
+        from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
+    except ImportError:
+        return None
+    return QKNormConfigResolver
 
 
 def legacy_grouped_gemm_kwargs(legacy: bool) -> dict:

@@ -283,16 +283,23 @@ def _patch_checkpoint_save() -> None:
 
 def _patch_rotary_device() -> None:
     """Rotary embedding frequencies stay on CPU (0.16.1, 0.19.2:
-    `models/common/embeddings/rotary_pos_embedding.py`).
+    `models/common/embeddings/rotary_pos_embedding.py`, `yarn_rotary_pos_embedding.py`).
 
     `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` on its first
-    call (the only CUDA use of RoPE with `use_cpu_initialization=True`; the rotation itself,
-    `apply_rotary_pos_emb` without `apply_rope_fusion`, is plain torch). Llama 3's frequency
-    scaling (`rope_scaling`) is applied in `__init__` and needs nothing.
+    call, and YaRN's `get_emb` its two frequency tables (the rotation itself,
+    `apply_rotary_pos_emb` without `apply_rope_fusion`, is plain torch). Both constructors put
+    the tables on `torch.cuda.current_device()` unless given `use_cpu_initialization`, which
+    multi-head latent attention does not pass (GPTModel does). Llama 3's frequency scaling
+    (`rope_scaling`) is applied in `__init__` and needs nothing more.
     """
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+    )
 
-    _allocate_on_cpu(RotaryEmbedding, "get_emb")
+    for rotary in (RotaryEmbedding, YarnRotaryEmbedding):
+        _allocate_on_cpu(rotary, "__init__")
+        _allocate_on_cpu(rotary, "get_emb")
 
 
 _OVERRIDES: dict[str, Callable[[], None]] = {

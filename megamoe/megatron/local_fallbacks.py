@@ -29,6 +29,43 @@ def _patch_missing_te_general_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _patch_mla_transformer_engine_flag() -> None:
+    """Multi-head latent attention without Transformer Engine (0.16.1 only:
+    `transformer/multi_latent_attention.py`).
+
+    0.16.1's MLA believes Transformer Engine is installed whenever Megatron's extension module
+    imports (it does, with mocks in place of TE's classes), and its constructor's
+    `isinstance(self.linear_proj, TELinear)` then raises a TypeError on the mock. Its flag is
+    set to what the extension itself found (0.19.2 does so already).
+    """
+    from megatron.core.transformer import multi_latent_attention
+
+    if compat.mla_claims_transformer_engine():
+        multi_latent_attention.HAVE_TE = False
+
+
+def _patch_mla_query_projection() -> None:
+    """MLA's query projection without a query latent and without Transformer Engine (0.19.2:
+    `transformer/mla_qk_norm_config.py`; 0.16.1 builds the spec's projection as it is).
+
+    With `qk_layernorm` and `q_lora_rank=None`, 0.19's resolver asks for a fused norm+linear
+    query projection, which only Transformer Engine has, and raises without it. DeepSeek-V2
+    (arXiv 2405.04434) normalises no query latent when there is none: queries are projected
+    from the normalised hidden state, which the spec's plain column-parallel projection does.
+    """
+    resolver = compat.mla_qk_norm_resolver()
+    if resolver is None:
+        return
+    fused_or_default = resolver._mla_fused_linear_or_default
+
+    def plain_query_projection_without_fusion(self, module_spec, module_name):
+        if self.fused_norm_linear_impl is None and module_name == "linear_q_proj":
+            return module_spec or self.linear_impl
+        return fused_or_default(self, module_spec, module_name)
+
+    resolver._mla_fused_linear_or_default = plain_query_projection_without_fusion
+
+
 def _patch_sequence_parallel_norm() -> None:
     """Torch norms under sequence parallelism (0.16.1, 0.19.2: `transformer/torch_norm.py`).
 
@@ -156,6 +193,8 @@ def _without_sequence_parallel(config):
 
 _FALLBACKS: dict[str, Callable[[], None]] = {
     "te_general_gemm": _patch_missing_te_general_gemm,
+    "mla_transformer_engine_flag": _patch_mla_transformer_engine_flag,
+    "mla_query_projection": _patch_mla_query_projection,
     "sequence_parallel_norm": _patch_sequence_parallel_norm,
     "checkpoint_without_output": _patch_checkpoint_without_output,
     "torch_adam_checkpoints": _patch_torch_adam_checkpoints,

@@ -45,6 +45,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.utils import get_pg_rank
 
 from megamoe.errors import ConfigError
+from megamoe.megatron.latent_attention import with_latent_attention
 from megamoe.megatron.moe_module import MegatronMoELayer
 from megamoe.megatron.tracker import report_load_metrics
 
@@ -69,21 +70,25 @@ def moe_mlp_spec(bias_width: Optional[int] = None, **moe: Any) -> ModuleSpec:
 
 def _base_layer_spec(config: Any, moe: bool, use_te: bool) -> ModuleSpec:
     """Megatron's own GPT layer spec for `config`'s attention and norm settings (its MoE variant
-    for MoE layers, which keeps a separate pre-MLP norm under Transformer Engine)."""
+    for MoE layers, which keeps a separate pre-MLP norm under Transformer Engine; with
+    `multi_latent_attention`, its MLA layer, whose local variant gets megamoe's
+    `LatentDotProductAttention`)."""
     return _megatron_layer_spec(moe, use_te, bool(getattr(config, "qk_layernorm", False)),
                                 bool(getattr(config, "multi_latent_attention", False)),
-                                getattr(config, "normalization", None))
+                                getattr(config, "normalization", None),
+                                getattr(config, "q_lora_rank", None) is not None)
 
 
 @functools.lru_cache(maxsize=None)
 def _megatron_layer_spec(moe: bool, use_te: bool, qk_layernorm: bool, mla: bool,
-                         normalization: Optional[str]) -> ModuleSpec:
+                         normalization: Optional[str], query_latent: bool) -> ModuleSpec:
     kwargs = dict(qk_layernorm=qk_layernorm, multi_latent_attention=mla)
     if moe:
         kwargs.update(num_experts=2, moe_grouped_gemm=False)
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(**kwargs)
-    return get_gpt_layer_local_spec(normalization=normalization, **kwargs)
+    spec = get_gpt_layer_local_spec(normalization=normalization, **kwargs)
+    return with_latent_attention(spec, query_latent) if mla else spec
 
 
 def _uses_transformer_engine(config: Any, use_transformer_engine: Optional[bool]) -> bool:

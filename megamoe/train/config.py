@@ -45,9 +45,13 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 RECOMPUTE = ("none", "full", "selective")
-# Megatron-Core's selective recompute modules that apply to megamoe's GPT (no MLA, no
-# Megatron MoE layers): `mlp` recomputes dense MLPs and megamoe's MoE layers, `moe` the latter.
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe")
+# Megatron-Core's selective recompute modules that apply to megamoe's GPT (no Megatron MoE
+# layers): `mlp` recomputes dense MLPs and megamoe's MoE layers, `moe` the latter, `mla_up_proj`
+# multi-head latent attention's up projections and RoPE.
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe", "mla_up_proj")
+YARN_KEYS = {"factor": None, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+"""`model.yarn`'s settings and their defaults (None: required)."""
 DECAY_STYLES = ("cosine", "linear", "constant")
 SPIKE_ACTIONS = ("stop", "rollback")
 MAX_CONFIG_BYTES = 1 << 20
@@ -96,7 +100,29 @@ class ModelConfig:
     swiglu: bool = True
     """Dense MLPs (and, unless `moe.activation` says otherwise, experts) use SwiGLU."""
     qk_layernorm: bool = False
-    """Normalise queries and keys before attention."""
+    """Normalise queries and keys before attention (always on with
+    `multi_latent_attention`: its query and key-value latents are RMS-normalised)."""
+    multi_latent_attention: bool = False
+    """Multi-head latent attention (MLA; DeepSeek-V2, arXiv 2405.04434, sec. 2.1): queries
+    and keys/values through normalised low-rank latents, RoPE on a decoupled part of each
+    query and key head (Megatron-Core's MLASelfAttention). Needs `position_embedding: rope`
+    (its `rotary_base` applies) and one key-value head per attention head."""
+    q_lora_rank: Optional[int] = None
+    """MLA: rank of the query latent (DeepSeek-V3: 1536); None: queries projected from the
+    hidden state directly (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int = 512
+    """MLA: rank of the key-value latent (DeepSeek-V2/V3: 512)."""
+    qk_head_dim: int = 128
+    """MLA: query/key head dimension without RoPE."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA: query/key head dimension that carries RoPE (the key part is shared by all heads);
+    the softmax scale is 1/sqrt(qk_head_dim + qk_pos_emb_head_dim)."""
+    v_head_dim: int = 128
+    """MLA: value head dimension."""
+    yarn: dict = field(default_factory=dict)
+    """MLA: YaRN context extension of its RoPE (arXiv 2309.00071), as DeepSeek-V2/V3 set it:
+    `{factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim}`
+    (defaults: factor required, 4096, 32, 1, 1, 0); empty: plain RoPE."""
     share_embeddings: bool = False
     """Tie the input embedding and the output layer."""
     init_method_std: float = 0.02
@@ -182,7 +208,8 @@ class TrainingConfig:
     `recompute_modules` of each layer)."""
     recompute_modules: list[str] = field(default_factory=lambda: ["core_attn", "mlp"])
     """With `recompute: selective`, Megatron-Core's recompute modules (`core_attn`,
-    `layernorm`, `mlp`: dense MLPs and megamoe MoE layers, `moe`: megamoe MoE layers only)."""
+    `layernorm`, `mlp`: dense MLPs and megamoe MoE layers, `moe`: megamoe MoE layers only,
+    `mla_up_proj`: MLA's up projections and RoPE)."""
     exit_interval: int = 0
     """Save and exit 0 whenever the step count is a multiple of this (0: never), so a long run
     proceeds in chunks (a rerun of the same command resumes); as Megatron-LM's --exit-interval."""
@@ -380,6 +407,7 @@ def known_keys() -> list[str]:
     for name, kind in _section_types().items():
         if dataclasses.is_dataclass(kind):
             keys += [f"{name}.{f.name}" for f in dataclasses.fields(kind)]
+            keys += [f"model.yarn.{k}" for k in YARN_KEYS] if kind is ModelConfig else []
         elif name == "moe":
             keys += [f"moe.{k}" for k in _moe_field_types()] + ["moe.layer_overrides"]
         else:
@@ -614,11 +642,15 @@ def validate(config: TrainConfig) -> None:
     bad_modules = sorted(set(t.recompute_modules) - set(RECOMPUTE_MODULES))
     _require(not bad_modules, f"training.recompute_modules has {bad_modules}; choose from "
              f"{list(RECOMPUTE_MODULES)}")
+    _require(m.multi_latent_attention or "mla_up_proj" not in t.recompute_modules,
+             "training.recompute_modules has 'mla_up_proj', which needs "
+             "model.multi_latent_attention=true; drop it")
     _require(config.parallel.virtual_stages == 1 or config.parallel.pipeline > 1,
              f"parallel.virtual_stages={config.parallel.virtual_stages} needs "
              "parallel.pipeline > 1")
     _choice("optimizer.decay_style", o.decay_style, DECAY_STYLES)
     _check_ranges(config)
+    _check_latent_attention(config)
     _require(t.global_batch_size % t.micro_batch_size == 0,
              f"training.global_batch_size={t.global_batch_size} is not a multiple of "
              f"training.micro_batch_size={t.micro_batch_size}")
@@ -718,6 +750,68 @@ def _check_ranges(config: TrainConfig) -> None:
                                    all(w >= 0 for w in d.weights) and sum(d.weights) > 0),
              f"data.weights={d.weights} must be one non-negative weight per data.prefixes "
              "entry (not all 0), or null")
+
+
+def _check_latent_attention(config: TrainConfig) -> None:
+    """MLA's sizes, and the settings it replaces or cannot be combined with."""
+    m, tensor = config.model, config.parallel.tensor
+    for key, value in [("model.kv_lora_rank", m.kv_lora_rank),
+                       ("model.qk_head_dim", m.qk_head_dim),
+                       ("model.qk_pos_emb_head_dim", m.qk_pos_emb_head_dim),
+                       ("model.v_head_dim", m.v_head_dim)]:
+        _require(value >= 1, f"{key}={value} must be >= 1")
+    _require(m.q_lora_rank is None or m.q_lora_rank >= 1,
+             f"model.q_lora_rank={m.q_lora_rank} must be >= 1 or null")
+    _require(m.qk_pos_emb_head_dim % 2 == 0, f"model.qk_pos_emb_head_dim={m.qk_pos_emb_head_dim} "
+             "must be even (RoPE rotates pairs of channels)")
+    if not m.multi_latent_attention:
+        _require(not m.yarn, f"model.yarn={_brief(m.yarn)} is MLA's YaRN; set "
+                 "model.multi_latent_attention=true, or model.rope_scaling_factor for Llama 3's")
+        return
+    _require(m.position_embedding == "rope", f"model.position_embedding="
+             f"{m.position_embedding!r} cannot be combined with model.multi_latent_attention, "
+             "which applies its own RoPE; set model.position_embedding=rope")
+    _require(m.num_query_groups in (None, m.num_attention_heads),
+             f"model.num_query_groups={m.num_query_groups} cannot be combined with "
+             "model.multi_latent_attention (one key-value head per attention head); set it null")
+    for key, value, fix in [
+            ("model.rope_scaling_factor", m.rope_scaling_factor, "use model.yarn for MLA"),
+            ("model.kv_channels", m.kv_channels, "set model.qk_head_dim and model.v_head_dim"),
+            ("model.add_qkv_bias", m.add_qkv_bias or None, "MLA's projections have no bias")]:
+        _require(value is None, f"{key}={value} cannot be combined with "
+                 f"model.multi_latent_attention; {fix} and set {key} back to its default")
+    down = [("model.kv_lora_rank + model.qk_pos_emb_head_dim",
+             m.kv_lora_rank + m.qk_pos_emb_head_dim)]
+    down += [("model.q_lora_rank", m.q_lora_rank)] if m.q_lora_rank is not None else []
+    for key, value in down:
+        _require(value % tensor == 0, f"{key}={value} is not divisible by parallel.tensor="
+                 f"{tensor} (MLA's down projections are split over tensor ranks)")
+    _check_yarn(m.yarn)
+
+
+def _check_yarn(yarn: dict) -> None:
+    """`model.yarn`: known keys, a factor, numbers in range."""
+    for key in yarn:
+        close = difflib.get_close_matches(str(key), list(YARN_KEYS), n=1)
+        _require(key in YARN_KEYS, f"model.yarn has unknown key {_brief(key)}"
+                 f"{f'; did you mean {close[0]!r}?' if close else ''} (keys: {list(YARN_KEYS)})")
+    if not yarn:
+        return
+    _require("factor" in yarn, "model.yarn needs a factor (the context extension, e.g. 40)")
+    for key, value in yarn.items():
+        _require(isinstance(value, (int, float)) and not isinstance(value, bool)
+                 and math.isfinite(value), f"model.yarn.{key}={_brief(value)} must be a number")
+    settings = yarn_settings(yarn)
+    _require(settings["factor"] >= 1, f"model.yarn.factor={settings['factor']} must be >= 1")
+    for key in ("original_max_position_embeddings", "beta_fast", "beta_slow"):
+        _require(settings[key] > 0, f"model.yarn.{key}={settings[key]} must be > 0")
+    for key in ("mscale", "mscale_all_dim"):
+        _require(settings[key] >= 0, f"model.yarn.{key}={settings[key]} must be >= 0")
+
+
+def yarn_settings(yarn: dict) -> dict:
+    """`model.yarn` with the defaults of YARN_KEYS filled in."""
+    return {**YARN_KEYS, **yarn}
 
 
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:

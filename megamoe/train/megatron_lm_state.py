@@ -21,6 +21,7 @@ import torch
 from megamoe.checkpointing.layout import TrainState
 from megamoe.errors import CheckpointError
 from megamoe.train.config import TrainConfig
+from megamoe.train.model import latent_attention_settings
 from megamoe.train.schedule import LRSchedule
 
 CHECKPOINT_VERSION = 3.0
@@ -50,7 +51,12 @@ def megatron_lm_args(config: TrainConfig, state: TrainState, model: torch.nn.Mod
         use_rotary_position_embeddings=m.position_embedding == "rope", rotary_percent=1.0,
         use_rope_scaling=m.rope_scaling_factor is not None,
         rope_scaling_factor=m.rope_scaling_factor or 8.0, norm_epsilon=m.norm_epsilon,
-        normalization=m.normalization, swiglu=m.swiglu, qk_layernorm=m.qk_layernorm,
+        normalization=m.normalization, swiglu=m.swiglu,
+        qk_layernorm=m.qk_layernorm or m.multi_latent_attention,
+        multi_latent_attention=m.multi_latent_attention,
+        # MLA's sizes and RoPE (YaRN) settings, under MLATransformerConfig's names, which
+        # Megatron-LM's flags (--q-lora-rank, --rope-type, --rotary-scaling-factor, ...) take.
+        **{k: v for k, v in latent_attention_settings(config).items() if k != "rotary_base"},
         add_bias_linear=False, add_qkv_bias=m.add_qkv_bias, apply_query_key_layer_scaling=False,
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         spec=["megamoe.megatron.specs", "decoder_block_spec"], moe_layer_freq=m.moe_layer_freq,

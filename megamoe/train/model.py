@@ -17,10 +17,12 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from megamoe.megatron.seeded_init import initialise_weights
-from megamoe.megatron.specs import gpt_decoder_block_spec, moe_layer_pattern
-from megamoe.train.config import TrainConfig
+from megamoe.megatron.specs import (gpt_decoder_block_spec, moe_layer_pattern,
+                                   transformer_engine_available)
+from megamoe.train.config import TrainConfig, yarn_settings
 
 
 def padded_vocab_size(vocab_size: int, config: TrainConfig) -> int:
@@ -30,10 +32,12 @@ def padded_vocab_size(vocab_size: int, config: TrainConfig) -> int:
 
 
 def transformer_config(config: TrainConfig, on_cuda: bool, bf16: bool) -> TransformerConfig:
-    """Megatron-Core's TransformerConfig of the run (fp32 on CPU, bf16 or fp32 on CUDA)."""
+    """Megatron-Core's TransformerConfig of the run (fp32 on CPU, bf16 or fp32 on CUDA); an
+    MLATransformerConfig with `model.multi_latent_attention`."""
     m, p = config.model, config.parallel
     moe = config.moe_config()
-    return TransformerConfig(
+    kind = MLATransformerConfig if m.multi_latent_attention else TransformerConfig
+    return kind(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
@@ -42,9 +46,10 @@ def transformer_config(config: TrainConfig, on_cuda: bool, bf16: bool) -> Transf
         normalization=m.normalization,
         gated_linear_unit=m.swiglu,
         activation_func=F.silu if m.swiglu else F.gelu,
-        qk_layernorm=m.qk_layernorm,
+        qk_layernorm=m.qk_layernorm or m.multi_latent_attention,
         kv_channels=m.kv_channels,
         add_qkv_bias=m.add_qkv_bias,
+        **latent_attention_settings(config),
         layernorm_epsilon=m.norm_epsilon,
         # Megatron's MLP with a linear bias trips an in-place-on-view autograd error on CPU.
         add_bias_linear=False,
@@ -70,10 +75,31 @@ def transformer_config(config: TrainConfig, on_cuda: bool, bf16: bool) -> Transf
         moe_layer_freq=moe_layer_freq(config),
         moe_router_enable_expert_bias=False,
         use_cpu_initialization=not on_cuda,
+        # What the decoder spec builds; Megatron's modules that pick their own implementation
+        # (0.19's MLA latent norms) then pick the local one without Transformer Engine.
+        transformer_impl="transformer_engine" if transformer_engine_available() else "local",
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
     )
+
+
+def latent_attention_settings(config: TrainConfig) -> dict:
+    """MLATransformerConfig's fields for `model.multi_latent_attention` (none without it): the
+    latent sizes, and RoPE on `model.rotary_base`, YaRN-extended with `model.yarn` (arXiv
+    2309.00071; its factor also scales the softmax as DeepSeek-V2 does, with `mscale_all_dim`).
+    Plain RoPE takes scaling factor 1, which leaves the softmax scale at
+    1/sqrt(qk_head_dim + qk_pos_emb_head_dim)."""
+    m = config.model
+    if not m.multi_latent_attention:
+        return {}
+    rope = dict(rope_type="rope", rotary_scaling_factor=1.0)
+    if m.yarn:
+        yarn = yarn_settings(m.yarn)
+        rope = dict(rope_type="yarn", rotary_scaling_factor=float(yarn.pop("factor")), **yarn)
+    return dict(q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                qk_head_dim=m.qk_head_dim, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim,
+                v_head_dim=m.v_head_dim, rotary_base=m.rotary_base, **rope)
 
 
 def _recompute_settings(config: TrainConfig) -> dict:

@@ -1,9 +1,9 @@
 """Per-rank jobs of the parallel-layout tests (run through `ep_harness.spawn`).
 
 Every job trains the same tiny GPT-MoE (layer 0 dense, layers 1-3 MoE with a shared expert,
-loss-free bias plus aux and z losses) through the real trainer (`megamoe.train.loop`) at one or
-more parallel layouts, one after the other in the same processes (megatron.core is imported once
-per process). Every run starts from the seed alone (no `checkpoint.init_from`): the initial
+loss-free bias plus aux and z losses; its MLA variant with latent attention) through the real
+trainer (`megamoe.train.loop`) at one or more parallel layouts, one after the other in the same
+processes (megatron.core is imported once per process). Every run starts from the seed alone (no `checkpoint.init_from`): the initial
 weights are layout-invariant, so a layout changes nothing but how the work is split.
 
 A run's result: the per-step losses and gradient norms of metrics.jsonl, and every rank's
@@ -59,6 +59,18 @@ RANDOM_LAYOUTS = {  # name -> (processes, parallel section, training section)
     "random_pp2": (2, {"pipeline": 2}, {}),
     "random_dp2_ep2": (2, {"expert": 2}, {}),
     "random_ep2_pp2_vpp2": (4, {"expert": 2, "pipeline": 2, "virtual_stages": 2}, {}),
+}
+# The MLA variant: the same model with multi-head latent attention (DeepSeek-V2's, arXiv
+# 2405.04434) instead of multi-head attention, trained from its own one-process reference.
+MLA = {"model": {"position_embedding": "rope", "multi_latent_attention": True, "q_lora_rank": 16,
+                 "kv_lora_rank": 8, "qk_head_dim": 8, "qk_pos_emb_head_dim": 4, "v_head_dim": 8}}
+MLA_LAYOUTS = {  # name -> (processes, parallel section, training section)
+    # Recomputing the up projections changes nothing, so it rides along with TP (where the
+    # recomputation replays the sequence-parallel gathers).
+    "mla_tp2_sp_recompute_up_proj": (2, {"tensor": 2}, {"recompute": "selective",
+                                                        "recompute_modules": ["mla_up_proj"]}),
+    "mla_pp2": (2, {"pipeline": 2}, {}),
+    "mla_dp2_ep2": (2, {"expert": 2}, {}),
 }
 RECOMPUTE = {"recompute_full": {"recompute": "full"},
              "recompute_selective_mlp": {"recompute": "selective",
@@ -172,19 +184,21 @@ def final_weights(raw: dict, folder: str) -> dict:
         teardown_megatron()
 
 
-def weights_job(rank: int, world_size: int, runs: list[dict], compare: dict) -> dict:
-    """Run `runs` (as `job`), then load each checkpoint folder of `compare` (name -> (raw,
-    folder)) into the single-process model and return the largest difference of every
-    parameter and buffer from the first entry's."""
+def weights_job(rank: int, world_size: int, runs: list[dict], compare: list[dict]) -> dict:
+    """Run `runs` (as `job`), then load the checkpoint folders of each group of `compare`
+    (name -> (raw, folder)) into the single-process model and return the largest difference
+    of every parameter and buffer from the group's first entry's."""
     results = job(rank, world_size, runs) if runs else {}
-    weights = {name: final_weights(raw, folder) for name, (raw, folder) in compare.items()}
-    names = list(weights)
-    reference = weights[names[0]]
     diffs = {}
-    for name in names[1:]:
-        assert weights[name].keys() == reference.keys(), name
-        diffs[name] = {key: float((weights[name][key] - value).abs().max())
-                       for key, value in reference.items()}
+    for group in compare:
+        weights = {name: final_weights(raw, folder) for name, (raw, folder) in group.items()}
+        reference_name, *names = weights
+        reference = weights[reference_name]
+        for name in names:
+            assert weights[name].keys() == reference.keys(), name
+            diffs[name] = {key: float((weights[name][key] - value).abs().max())
+                           for key, value in reference.items()}
+        results.setdefault("reference_bias", {k: v for k, v in reference.items()
+                                              if k.endswith("expert_bias")})
     results["weight_diffs"] = diffs
-    results["reference_bias"] = {k: v for k, v in reference.items() if k.endswith("expert_bias")}
     return results

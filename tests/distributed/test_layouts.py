@@ -5,10 +5,12 @@ per-step losses and gradient norms, final weights and expert biases within 1e-4 
 biases identical on every rank. Checkpoints saved at one layout resume at another (TP 2->1,
 PP 2->1->2, EP 2->4, TP2xPP2xEP2 -> one process) with the losses of an uninterrupted run at the
 new layout. Full and selective activation recomputation give the same gradients (norms), weights
-and biases (each token counted once).
+and biases (each token counted once). The model's MLA variant (multi-head latent attention)
+trains at TP2+SP (its up projections recomputed), PP2 and DP2xEP2 as its own one-process
+reference does.
 
 Spawns, in order (each imports megatron.core once and runs several layouts): one process
-(reference, recompute runs), two (five layouts, first resume legs), four (three
+(references, recompute runs), two (five layouts, first resume legs), four (three
 layouts, EP 2->4), one (resumes at one process, final weights of all), two (PP 1->2).
 """
 from __future__ import annotations
@@ -67,18 +69,21 @@ def _spawn(label, world, fn, root, **kwargs):
 @pytest.fixture(scope="session")
 def world1a(data, root):
     """The single-process reference; full and selective recompute; dropout on."""
-    runs = [{"name": "reference", "raw": _raw(data, root, "reference", {})}] + [
-        {"name": name, "raw": _raw(data, root, name, {}, settings)}
-        for name, settings in lw.RECOMPUTE.items()] + _layout_runs(data, root, 1)
+    runs = [{"name": "reference", "raw": _raw(data, root, "reference", {})},
+            {"name": "mla_reference", "raw": _raw(data, root, "mla_reference", {}, None, lw.MLA)},
+            ] + [{"name": name, "raw": _raw(data, root, name, {}, settings)}
+                 for name, settings in lw.RECOMPUTE.items()] + _layout_runs(data, root, 1)
     return _spawn("world1a", 1, lw.job, root, runs=runs)
 
 
 def _layout_runs(data, root, world):
-    """The layouts of `world` processes, then those with dropout and router jitter on."""
+    """The layouts of `world` processes, then those with dropout and router jitter on, then
+    the MLA variant's."""
     return [{"name": name, "raw": _raw(data, root, name, parallel)}
             for name, (procs, parallel) in lw.LAYOUTS.items() if procs == world] + [
-        {"name": name, "raw": _raw(data, root, name, parallel, training, lw.RANDOM)}
-        for name, (procs, parallel, training) in lw.RANDOM_LAYOUTS.items() if procs == world]
+        {"name": name, "raw": _raw(data, root, name, parallel, training, sections)}
+        for variants, sections in [(lw.RANDOM_LAYOUTS, lw.RANDOM), (lw.MLA_LAYOUTS, lw.MLA)]
+        for name, (procs, parallel, training) in variants.items() if procs == world]
 
 
 @pytest.fixture(scope="session")
@@ -108,10 +113,13 @@ def world1b(world4, data, root):
         {"name": "resume_mixed_to_1", "raw": _raw(data, root, "resume_mixed_to_1", {}),
          "resume_from": (str(root / "tp2_pp2_ep2"), lw.RESUME_AT)},
     ]
-    reference = _raw(data, root, "reference", {})
-    names = ["reference", *lw.RECOMPUTE, *lw.LAYOUTS, "resume_ep2_to_ep4",
-             "resume_tp2_to_tp1", "resume_mixed_to_1"]
-    compare = {name: (reference, str(root / name / "checkpoints")) for name in names}
+    groups = [(_raw(data, root, "reference", {}),
+               ["reference", *lw.RECOMPUTE, *lw.LAYOUTS, "resume_ep2_to_ep4",
+                "resume_tp2_to_tp1", "resume_mixed_to_1"]),
+              (_raw(data, root, "mla_reference", {}, None, lw.MLA),
+               ["mla_reference", *lw.MLA_LAYOUTS])]
+    compare = [{name: (reference, str(root / name / "checkpoints")) for name in names}
+               for reference, names in groups]
     return _spawn("world1b", 1, lw.weights_job, root, runs=runs, compare=compare)
 
 
@@ -153,10 +161,10 @@ def _check_biases_replicated(ranks, name):
     assert sorted(seen) == ["layer 2", "layer 3", "layer 4"], f"{name}: {sorted(seen)}"
 
 
-@pytest.mark.parametrize("name", [*lw.LAYOUTS, *lw.RECOMPUTE])
+@pytest.mark.parametrize("name", [*lw.LAYOUTS, *lw.RECOMPUTE, *lw.MLA_LAYOUTS])
 def test_layout_trains_as_one_process(everything, name):
     world1a, *_ = everything
-    reference = world1a[0]["reference"]
+    reference = world1a[0]["mla_reference" if name in lw.MLA_LAYOUTS else "reference"]
     ranks = _result(name, *everything)
     got = ranks[0][name]
     assert got["steps"] == list(range(1, lw.STEPS + 1))

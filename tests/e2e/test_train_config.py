@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from megamoe.errors import ConfigError
-from megamoe.train.config import OptimizerConfig, config_from_dict, dump_config, load_config
+from megamoe.train.config import (OptimizerConfig, apply_overrides, config_from_dict,
+                                  dump_config, load_config)
 from megamoe.train.schedule import LRSchedule
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
@@ -80,11 +81,40 @@ def test_overrides_reach_nested_keys_and_parse_as_yaml():
     ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "parallel": {"pipeline": 2},
       "finetune": {"method": "full"}},
      "finetune.method=full runs with parallel.pipeline=1"),
-])
+] + [({"moe": {"num_experts": 8, "ffn_hidden_size": 8},
+         "model": {"multi_latent_attention": True, "position_embedding": "rope", **model},
+         **sections}, message) for model, sections, message in [
+    ({"position_embedding": "learned_absolute"}, {},
+     "model.position_embedding='learned_absolute' cannot be combined with "
+     "model.multi_latent_attention"),
+    ({"num_query_groups": 2}, {}, "model.num_query_groups=2 cannot be combined with"),
+    ({"rope_scaling_factor": 8.0}, {}, "use model.yarn for MLA"),
+    ({"kv_channels": 16}, {}, "set model.qk_head_dim and model.v_head_dim"),
+    ({"q_lora_rank": 0}, {}, "model.q_lora_rank=0 must be >= 1 or null"),
+    ({"qk_pos_emb_head_dim": 3}, {}, "model.qk_pos_emb_head_dim=3 must be even"),
+    ({"q_lora_rank": 7}, {"parallel": {"tensor": 2}},
+     "model.q_lora_rank=7 is not divisible by parallel.tensor=2"),
+    ({"yarn": {"factr": 4}}, {}, "model.yarn has unknown key 'factr'; did you mean 'factor'?"),
+    ({"yarn": {"beta_fast": 8}}, {}, "model.yarn needs a factor"),
+    ({"yarn": {"factor": 0.5}}, {}, "model.yarn.factor=0.5 must be >= 1"),
+    ({"multi_latent_attention": False, "yarn": {"factor": 4}}, {},
+     "set model.multi_latent_attention=true"),
+    ({"multi_latent_attention": False},
+     {"training": {"recompute": "selective", "recompute_modules": ["mla_up_proj"]}},
+     "'mla_up_proj', which needs model.multi_latent_attention=true"),
+]])
 def test_invalid_configs_name_the_value(raw, message):
     with pytest.raises(ConfigError) as err:
         config_from_dict(raw)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_yarn_overrides_reach_its_keys():
+    raw = {"moe": {"num_experts": 8, "ffn_hidden_size": 8},
+           "model": {"multi_latent_attention": True, "position_embedding": "rope"}}
+    config = config_from_dict(apply_overrides(raw, ["model.yarn.factor=40",
+                                                    "model.yarn.mscale_all_dim=1"]))
+    assert config.model.yarn == {"factor": 40, "mscale_all_dim": 1}
 
 
 def test_yaml_syntax_error_names_the_line(tmp_path):

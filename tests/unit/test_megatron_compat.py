@@ -140,20 +140,24 @@ def test_async_finalize_is_found_where_each_version_looks_it_up():
     assert (torch_strategy in modules) == (not compat.SINCE_0_19)
 
 
-def test_te_general_gemm_and_legacy_grouped_mlp():
-    """In a fresh import (the CPU overrides bind the name once applied): missing on 0.16
-    without Transformer Engine, bound to None from 0.19."""
+def test_te_general_gemm_mla_flag_and_legacy_grouped_mlp():
+    """In a fresh import (the fallbacks change both once applied): `te_general_gemm` missing
+    and MLA's HAVE_TE wrongly set on 0.16 without Transformer Engine, both right from 0.19;
+    MLA's norm resolver exists from 0.19."""
     fresh = subprocess.run(
         [sys.executable, "-c", "from megamoe.megatron import compat; "
          "from megatron.core.transformer.moe import moe_utils; "
-         "print(compat.te_general_gemm_missing(), hasattr(moe_utils, 'te_general_gemm'))"],
+         "print(compat.te_general_gemm_missing(), hasattr(moe_utils, 'te_general_gemm'), "
+         "compat.mla_claims_transformer_engine())"],
         capture_output=True, text=True, check=True)
-    missing, present = fresh.stdout.split()
+    missing, present, mla_claims_te = fresh.stdout.split()
     assert missing != present
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
         assert (missing == "True") == (not compat.SINCE_0_19)
+        assert (mla_claims_te == "True") == (not compat.SINCE_0_19)
+    assert (compat.mla_qk_norm_resolver() is not None) == compat.SINCE_0_19
     from megatron.core.transformer.moe import experts
 
     assert hasattr(experts, "GroupedMLP") == compat.HAS_LEGACY_GROUPED_MLP

@@ -27,9 +27,14 @@ ARCHS = {
                       norm_topk_prob=False, tie_word_embeddings=True),
     "qwen3_moe": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, head_dim=32, num_experts=4,
                       num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
-    # MLA with a q rank, 8 experts in 2 groups (1 per token), a dense first layer, 1 shared
-    # expert, gates scaled by 2.5, a non-zero correction bias (set below).
-    "deepseek_v3": dict(rope_theta=10000.0, rms_norm_eps=1e-6, num_key_value_heads=4,
+    # MLA with a q rank and YaRN as DeepSeek-V3 sets it (context x4, softmax rescaled), 8
+    # experts in 2 groups (1 per token), a dense first layer, 1 shared expert, gates scaled by
+    # 2.5, a non-zero correction bias (set below).
+    "deepseek_v3": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                         "factor": 4.0, "original_max_position_embeddings": 64,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                                         "mscale_all_dim": 1.0},
+                        rms_norm_eps=1e-6, num_key_value_heads=4,
                         n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
                         moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                         routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=16,

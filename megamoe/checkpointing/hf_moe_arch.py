@@ -15,12 +15,12 @@ is refused in one line naming the field:
 - DeepSeek-V3 (arXiv 2412.19437): sigmoid scores, selection by scores plus
   `e_score_correction_bias` (megamoe's loss-free expert bias, arXiv 2408.15664, which keeps
   training from the imported values) within the `topk_group` best of `n_group` groups, each
-  scored by its top-2 biased scores (megamoe's `topk / groups_per_token`, so that ratio must be
-  2), gates renormalised (`norm_topk_prob`) and scaled by `routed_scaling_factor`;
-  `n_shared_experts` ungated shared experts; the first `first_k_dense_replace` layers dense; MLA
-  with low-rank q (`q_lora_rank`, or a full q projection when null) and kv (`kv_lora_rank`)
-  projections, RMSNorm on both latents, and decoupled RoPE (`qk_rope_head_dim`) on DeepSeek's
-  interleaved pairs (`rope_interleave`; a source without it is permuted into that convention).
+  scored by its top-2 biased scores (megamoe's `group_score_topk`), gates renormalised
+  (`norm_topk_prob`) and scaled by `routed_scaling_factor`; `n_shared_experts` ungated shared
+  experts; the first `first_k_dense_replace` layers dense; MLA with low-rank q (`q_lora_rank`,
+  or a full q projection when null) and kv (`kv_lora_rank`) projections, RMSNorm on both
+  latents, and decoupled RoPE (`qk_rope_head_dim`) on DeepSeek's interleaved pairs
+  (`rope_interleave`; a source without it is permuted into that convention).
   Multi-token-prediction layers (`num_nextn_predict_layers`) are megamoe-incompatible; their
   weights, when the files hold them, are refused unless dropped explicitly.
 """
@@ -56,6 +56,7 @@ class HFMoE:
     shared_expert_gate: bool = False
     num_groups: Optional[int] = None
     groups_per_token: Optional[int] = None
+    group_score_topk: Optional[int] = None
     topk_scaling_factor: Optional[float] = None
     expert_bias: bool = False
     """DeepSeek-V3's `e_score_correction_bias`, imported as megamoe's loss-free expert bias."""
@@ -68,6 +69,7 @@ class HFMoE:
                     topk=self.topk, score_function=self.score_function,
                     pre_softmax=self.pre_softmax, topk_scaling_factor=self.topk_scaling_factor,
                     num_groups=self.num_groups, groups_per_token=self.groups_per_token,
+                    group_score_topk=self.group_score_topk,
                     shared_expert_ffn_size=self.shared_expert_ffn_size,
                     shared_expert_gate=self.shared_expert_gate, balancing=balancing,
                     aux_loss_coeff=self.aux_loss_coeff)
@@ -85,11 +87,14 @@ class HFMLA:
     """Per head: the decoupled RoPE part (HF `qk_rope_head_dim`)."""
     v_head_dim: int
     rope_interleave: bool
+    yarn: dict
+    """megamoe's `model.yarn` (empty: plain RoPE)."""
 
     def model_settings(self) -> dict[str, Any]:
         return dict(multi_latent_attention=True, q_lora_rank=self.q_lora_rank,
                     kv_lora_rank=self.kv_lora_rank, qk_head_dim=self.qk_head_dim,
-                    qk_pos_emb_head_dim=self.qk_pos_emb_head_dim, v_head_dim=self.v_head_dim)
+                    qk_pos_emb_head_dim=self.qk_pos_emb_head_dim, v_head_dim=self.v_head_dim,
+                    yarn=dict(self.yarn))
 
 
 @dataclass(frozen=True)
@@ -226,9 +231,8 @@ def _deepseek_v3(config: dict, fields: _Fields, where: Path) -> HFMoEModel:
     fields.refuse_if(bool(config.get("attention_bias")), "attention_bias",
                      "megamoe's MLA projections have no biases")
     # `head_dim` of a DeepSeek config is the RoPE width, not an attention head size.
-    arch = parse_hf_arch({**config, "head_dim": None}, where, qkv_bias=False, qk_norm=False)
-    if arch.rope_scaling_factor is not None:
-        raise CheckpointError(f"{where}: rope scaling is not supported for MLA models")
+    plain_rope, yarn = _yarn(config, fields)
+    arch = parse_hf_arch({**plain_rope, "head_dim": None}, where, qkv_bias=False, qk_norm=False)
     if arch.num_key_value_heads != arch.num_attention_heads:
         raise CheckpointError(f"{where}: num_key_value_heads={arch.num_key_value_heads} must "
                               f"equal num_attention_heads={arch.num_attention_heads} for MLA")
@@ -238,11 +242,12 @@ def _deepseek_v3(config: dict, fields: _Fields, where: Path) -> HFMoEModel:
     if experts % groups or per_token > groups:
         raise CheckpointError(f"{where}: n_group={groups} / topk_group={per_token} do not split "
                               f"{experts} experts; the config is inconsistent")
-    if groups > 1 and (topk % per_token or topk // per_token != DEEPSEEK_GROUP_SCORE_TOPK):
-        raise CheckpointError(f"{where}: num_experts_per_tok={topk} / topk_group={per_token}: "
-                              "megamoe scores a group by its top topk/groups_per_token experts, "
-                              f"DeepSeek-V3 by its top {DEEPSEEK_GROUP_SCORE_TOPK}; the two "
-                              "agree only when that ratio is 2")
+    if groups > 1 and (experts // groups < DEEPSEEK_GROUP_SCORE_TOPK
+                       or topk > per_token * experts // groups):
+        raise CheckpointError(f"{where}: n_group={groups} / topk_group={per_token} leave groups "
+                              f"of fewer than {DEEPSEEK_GROUP_SCORE_TOPK} experts or fewer than "
+                              f"num_experts_per_tok={topk} experts to choose from; the config "
+                              "is inconsistent")
     fields.refuse_if(not fields.flag("norm_topk_prob", True) and topk > 1, "norm_topk_prob",
                      "megamoe always renormalises top-k sigmoid gates")
     fields.refuse_if(topk == 1, "num_experts_per_tok",
@@ -259,6 +264,7 @@ def _deepseek_v3(config: dict, fields: _Fields, where: Path) -> HFMoEModel:
                 score_function="sigmoid", shared_expert_ffn_size=shared * ffn or None,
                 num_groups=groups if groups > 1 else None,
                 groups_per_token=per_token if groups > 1 else None,
+                group_score_topk=DEEPSEEK_GROUP_SCORE_TOPK if groups > 1 else None,
                 topk_scaling_factor=None if scaling == 1.0 else scaling, expert_bias=True,
                 aux_loss_coeff=1e-4)
     q_rank = fields.whole("q_lora_rank", limit=1 << 16) if config.get("q_lora_rank") else None
@@ -266,10 +272,47 @@ def _deepseek_v3(config: dict, fields: _Fields, where: Path) -> HFMoEModel:
                 qk_head_dim=fields.whole("qk_nope_head_dim", limit=1 << 12),
                 qk_pos_emb_head_dim=_even(fields, "qk_rope_head_dim"),
                 v_head_dim=fields.whole("v_head_dim", limit=1 << 12),
-                rope_interleave=fields.flag("rope_interleave", True))
+                rope_interleave=fields.flag("rope_interleave", True), yarn=yarn)
     mtp = fields.whole("num_nextn_predict_layers", limit=64, default=0) if \
         config.get("num_nextn_predict_layers") else 0
     return HFMoEModel(arch, moe, mla, mtp)
+
+
+def _yarn(config: dict, fields: _Fields) -> tuple[dict, dict]:
+    """(config with plain RoPE, megamoe's `model.yarn`): DeepSeek's YaRN rope scaling (arXiv
+    2309.00071; `rope_scaling` or transformers 5's `rope_parameters` with type yarn) as
+    transformers computes it: the context factor (when null, max_position_embeddings over
+    original_max_position_embeddings), beta_fast/slow, and cos/sin scaled by
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else by
+    mscale(factor, 1), the softmax by mscale(factor, mscale_all_dim)^2 when set. An explicit
+    `attention_factor` or an untruncated correction range (`truncate: false`) is refused."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or params
+    if not isinstance(scaling, dict) or \
+            scaling.get("rope_type", scaling.get("type", "default")) != "yarn":
+        return config, {}
+    where = fields.where
+    for name, allowed in (("attention_factor", None), ("truncate", True)):
+        if scaling.get(name, allowed) != allowed:
+            raise CheckpointError(f"{where}: rope scaling {name}={scaling[name]!r:.40} is not "
+                                  f"supported (megamoe's YaRN takes {name}={allowed})")
+    scaled = _Fields(scaling, where)
+    original = scaled.whole("original_max_position_embeddings", limit=1 << 24)
+    factor = scaling.get("factor")
+    factor = (fields.whole("max_position_embeddings", limit=1 << 24) / original
+              if factor is None else scaled.positive("factor", 1.0))
+    if factor < 1:
+        raise CheckpointError(f"{where}: yarn rope scaling factor={factor:.4g} shortens the "
+                              "context; megamoe's YaRN takes factors >= 1")
+    yarn = {"factor": factor, "original_max_position_embeddings": original,
+            "beta_fast": scaled.positive("beta_fast", 32.0),
+            "beta_slow": scaled.positive("beta_slow", 1.0)}
+    all_dim = scaling.get("mscale_all_dim") or 0.0
+    if all_dim:
+        yarn.update(mscale=scaled.positive("mscale", 1.0),
+                    mscale_all_dim=scaled.positive("mscale_all_dim", 1.0))
+    theta = {"rope_theta": params.get("rope_theta", config.get("rope_theta", 10000.0))}
+    return {**config, "rope_scaling": None, "rope_parameters": theta}, yarn
 
 
 def _even(fields: _Fields, name: str) -> int:

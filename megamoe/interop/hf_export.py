@@ -1,4 +1,5 @@
-"""Export a megamoe MoE checkpoint as a Hugging Face Mixtral, Qwen2-MoE or Qwen3-MoE model.
+"""Export a megamoe MoE checkpoint as a Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE or DeepSeek-V3
+model.
 
 Input: a torch_dist checkpoint written by megamoe (a training checkpoint, whose common state
 holds the run's `config`, or tools/upcycle_ckpt.py's output from a Hugging Face model, whose
@@ -21,6 +22,11 @@ Key mapping, layer l (`model.layers.{l}.`), Megatron -> Hugging Face (hub layout
 - `mlp.shared_experts.linear_fc1|fc2|gate_weight` -> Qwen2-MoE `mlp.shared_expert.*`,
   `mlp.shared_expert_gate.weight`
 - dense layers (`mlp.linear_fc1|fc2`) -> `mlp.gate_proj|up_proj|down_proj` (`mlp_only_layers`)
+- DeepSeek-V3: multi-head latent attention and its norms as `megamoe.checkpointing.
+  hf_moe_source.MLA_NAMES` lists them (DeepSeek's interleaved RoPE pairs, `rope_interleave`),
+  `mlp.router.expert_bias` -> `mlp.gate.e_score_correction_bias`, `mlp.shared_experts.*` ->
+  `mlp.shared_experts.*` (`n_shared_experts` = shared size / expert size), the leading dense
+  layers -> `first_k_dense_replace`
 """
 from __future__ import annotations
 
@@ -34,15 +40,18 @@ import torch
 
 from megamoe.atomic import atomic_directory
 from megamoe.checkpointing.hf_arch import HFArch
+from megamoe.checkpointing.hf_moe_arch import DEEPSEEK_GROUP_SCORE_TOPK
+from megamoe.checkpointing.hf_moe_source import MLA_NAMES
 from megamoe.checkpointing.hf_source import TOKENIZER_FILES, split_qkv
 from megamoe.checkpointing.safetensors_io import ShardedSafetensorsWriter
 from megamoe.errors import CheckpointError, ConfigError
 from megamoe.paths import inside, refuse_overlap
+from megamoe.train.config import yarn_settings
 from megamoe.upcycle.hf_logits import require_within
 
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 TOKENIZER_DIR = "hf_tokenizer"
 EXPERTS = "mlp.experts.experts."
 VERIFY_TOLERANCE = 1e-4
@@ -79,8 +88,10 @@ def _layer_kinds(config) -> list[bool]:
 
 
 def default_arch(config) -> str:
-    """The architecture that expresses this model: Qwen3-MoE with QK norm, Qwen2-MoE with a
-    shared expert, else Mixtral."""
+    """The architecture that expresses this model: DeepSeek-V3 with latent attention, Qwen3-MoE
+    with QK norm, Qwen2-MoE with a shared expert, else Mixtral."""
+    if config.model.multi_latent_attention:
+        return "deepseek_v3"
     if config.model.qk_layernorm:
         return "qwen3_moe"
     if config.moe_config().shared_expert_ffn_size:
@@ -100,14 +111,7 @@ def check_expressible(arch: str, config, pattern: list[bool]) -> None:
     if config.moe["layer_overrides"]:
         refuse("per-layer MoE overrides (moe.layer_overrides)", "export a uniform MoE model")
     if moe.router_type != "topk":
-        refuse(f"router_type={moe.router_type!r} (only softmax top-k)", "train with topk")
-    if moe.score_function != "softmax":
-        refuse(f"score_function={moe.score_function!r} routing (only softmax)",
-               "train with moe.score_function=softmax")
-    if moe.num_groups or moe.groups_per_token:
-        refuse("group-limited routing (moe.num_groups)", "train without group limits")
-    if moe.topk_scaling_factor not in (None, 1.0):
-        refuse(f"topk_scaling_factor={moe.topk_scaling_factor}", "train without it")
+        refuse(f"router_type={moe.router_type!r} (only top-k)", "train with topk")
     if moe.capacity_factor is not None:
         refuse(f"capacity_factor={moe.capacity_factor} (token dropping; Hugging Face MoE "
                "blocks are dropless)", "train dropless (moe.capacity_factor=null)")
@@ -116,6 +120,49 @@ def check_expressible(arch: str, config, pattern: list[bool]) -> None:
     if m.normalization != "RMSNorm" or m.position_embedding != "rope":
         refuse(f"normalization={m.normalization} / position_embedding={m.position_embedding} "
                "(only RMSNorm and RoPE)", "train a Llama-shaped model")
+    if arch == "deepseek_v3":
+        _check_deepseek_v3(refuse, config, pattern)
+    else:
+        _check_softmax_family(arch, refuse, config, pattern)
+
+
+def _check_deepseek_v3(refuse: Callable[[str, str], None], config, pattern: list[bool]) -> None:
+    m, moe = config.model, config.moe_config()
+    if not m.multi_latent_attention:
+        refuse("grouped-query attention (DeepSeek-V3 has multi-head latent attention)",
+               "use mixtral, qwen2_moe or qwen3_moe")
+    if moe.score_function != "sigmoid" or moe.topk < 2:
+        refuse(f"score_function={moe.score_function!r} with topk={moe.topk} (DeepSeek-V3 "
+               "renormalises top-k sigmoid gates, k >= 2)", "use mixtral, qwen2_moe or qwen3_moe")
+    if moe.num_groups and moe.experts_scoring_a_group != DEEPSEEK_GROUP_SCORE_TOPK:
+        refuse(f"groups scored by their top {moe.experts_scoring_a_group} experts "
+               f"(DeepSeek-V3 scores by the top {DEEPSEEK_GROUP_SCORE_TOPK})",
+               f"train with moe.group_score_topk={DEEPSEEK_GROUP_SCORE_TOPK}")
+    shared = moe.shared_expert_ffn_size or 0
+    if moe.shared_expert_gate or shared % moe.ffn_hidden_size:
+        refuse(f"a shared expert of size {shared} (gate {moe.shared_expert_gate}; DeepSeek-V3 "
+               "has ungated shared experts of whole expert sizes)",
+               "train with moe.shared_expert_gate=false and a multiple of moe.ffn_hidden_size")
+    first_moe = pattern.index(True)
+    if not all(pattern[first_moe:]):
+        refuse("dense layers after the first MoE layer (DeepSeek-V3 has only leading dense "
+               "layers)", "use qwen2_moe or qwen3_moe (mlp_only_layers)")
+
+
+def _check_softmax_family(arch: str, refuse: Callable[[str, str], None], config,
+                          pattern: list[bool]) -> None:
+    m, moe = config.model, config.moe_config()
+    if m.multi_latent_attention:
+        refuse("multi-head latent attention", "use deepseek_v3")
+    if moe.score_function != "softmax":
+        refuse(f"score_function={moe.score_function!r} routing (only softmax)",
+               "train with moe.score_function=softmax, or use deepseek_v3")
+    if moe.num_groups or moe.groups_per_token:
+        refuse("group-limited routing (moe.num_groups)", "train without group limits, or use "
+               "deepseek_v3")
+    if moe.topk_scaling_factor not in (None, 1.0):
+        refuse(f"topk_scaling_factor={moe.topk_scaling_factor}", "train without it, or use "
+               "deepseek_v3")
     if arch == "mixtral":
         if moe.pre_softmax and moe.topk > 1:
             refuse("gates without renormalisation (moe.pre_softmax=true)", "use qwen2_moe or "
@@ -153,6 +200,8 @@ def hf_config(arch: str, config, pattern: list[bool], vocab_size: int) -> dict:
         common["rope_scaling"] = {"rope_type": "llama3", "factor": m.rope_scaling_factor,
                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                   "original_max_position_embeddings": 8192}
+    if arch == "deepseek_v3":
+        return {**common, **_deepseek_v3_config(config, pattern)}
     if arch == "mixtral":
         return {**common, "intermediate_size": moe.ffn_hidden_size,
                 "num_local_experts": moe.num_experts, "sliding_window": None,
@@ -166,6 +215,33 @@ def hf_config(arch: str, config, pattern: list[bool], vocab_size: int) -> dict:
         return {**qwen, "shared_expert_intermediate_size": moe.shared_expert_ffn_size,
                 "qkv_bias": True}
     return {**qwen, "attention_bias": m.add_qkv_bias}
+
+
+def _deepseek_v3_config(config, pattern: list[bool]) -> dict:
+    """DeepSeek-V3's own config.json fields (on top of the common ones)."""
+    m, moe = config.model, config.moe_config()
+    return dict(
+        num_key_value_heads=m.num_attention_heads, head_dim=m.qk_pos_emb_head_dim,
+        intermediate_size=m.ffn_hidden_size, moe_intermediate_size=moe.ffn_hidden_size,
+        n_routed_experts=moe.num_experts,
+        n_shared_experts=(moe.shared_expert_ffn_size or 0) // moe.ffn_hidden_size,
+        routed_scaling_factor=moe.topk_scaling_factor or 1.0, n_group=moe.num_groups or 1,
+        topk_group=moe.groups_per_token or 1, norm_topk_prob=True,
+        first_k_dense_replace=pattern.index(True), q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_head_dim,
+        qk_rope_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim, rope_interleave=True,
+        attention_bias=False, num_nextn_predict_layers=0,
+        **_yarn_config(m))
+
+
+def _yarn_config(m) -> dict:
+    """DeepSeek's YaRN rope scaling, with the context it extends to (none without YaRN)."""
+    if not m.yarn:
+        return {}
+    yarn = yarn_settings(m.yarn)
+    context = int(yarn["factor"] * yarn["original_max_position_embeddings"])
+    return {"rope_scaling": {"type": "yarn", **yarn},
+            "max_position_embeddings": max(m.seq_length, context)}
 
 
 class _LayerMapper:
@@ -190,6 +266,18 @@ class _LayerMapper:
     def tensors(self, index: int, mg: dict[str, torch.Tensor], is_moe: bool
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         p = f"model.layers.{index}."
+        if self.arch == "deepseek_v3":
+            yield from ((p + hf, mg[key]) for hf, key in MLA_NAMES.items() if key in mg)
+        else:
+            yield from self._attention(p, mg)
+        if not is_moe:
+            yield from self._mlp(p + "mlp.", ("gate_proj", "up_proj", "down_proj"),
+                                 mg["mlp.linear_fc1.weight"], mg["mlp.linear_fc2.weight"])
+            return
+        yield from self._moe(index, p, mg)
+
+    def _attention(self, p: str, mg: dict[str, torch.Tensor]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
         yield p + "input_layernorm.weight", mg["self_attention.linear_qkv.layer_norm_weight"]
         norm = mg.get("mlp.linear_fc1.layer_norm_weight", mg.get("pre_mlp_layernorm.weight"))
         yield p + "post_attention_layernorm.weight", norm
@@ -207,23 +295,28 @@ class _LayerMapper:
             if f"self_attention.{side}_layernorm.weight" in mg:
                 yield p + f"self_attn.{side}_norm.weight", \
                     mg[f"self_attention.{side}_layernorm.weight"]
-        if not is_moe:
-            yield from self._mlp(p + "mlp.", ("gate_proj", "up_proj", "down_proj"),
-                                 mg["mlp.linear_fc1.weight"], mg["mlp.linear_fc2.weight"])
-            return
-        bias = mg.get("mlp.router.expert_bias")
-        if bias is not None and bool(bias.abs().max() > 0):
+
+    def _moe(self, index: int, p: str, mg: dict[str, torch.Tensor]
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+        router, bias = mg["mlp.router.weight"], mg.get("mlp.router.expert_bias")
+        if self.arch == "deepseek_v3":
+            yield p + "mlp.gate.e_score_correction_bias", (
+                torch.zeros(router.shape[0], dtype=torch.float32) if bias is None else bias)
+        elif bias is not None and bool(bias.abs().max() > 0):
             raise ConfigError(f"--arch {self.arch} cannot express the expert bias of layer "
                               f"{index} (loss-free balancing steers selection; max |bias| "
-                              f"{float(bias.abs().max()):.3g}); train without moe.balancing=bias")
-        yield p + self.moe_prefix + "gate.weight", mg["mlp.router.weight"]
+                              f"{float(bias.abs().max()):.3g}); train without moe.balancing=bias"
+                              ", or use deepseek_v3")
+        yield p + self.moe_prefix + "gate.weight", router
         for e, (fc1, fc2) in enumerate(_experts(mg, index)):
             yield from self._mlp(f"{p}{self.moe_prefix}experts.{e}.", self.expert_names, fc1,
                                  fc2)
         if "mlp.shared_experts.linear_fc1.weight" in mg:
-            yield from self._mlp(p + "mlp.shared_expert.", ("gate_proj", "up_proj", "down_proj"),
+            shared = "mlp.shared_experts." if self.arch == "deepseek_v3" else "mlp.shared_expert."
+            yield from self._mlp(p + shared, ("gate_proj", "up_proj", "down_proj"),
                                  mg["mlp.shared_experts.linear_fc1.weight"],
                                  mg["mlp.shared_experts.linear_fc2.weight"])
+        if "mlp.shared_experts.gate_weight" in mg:
             yield p + "mlp.shared_expert_gate.weight", \
                 mg["mlp.shared_experts.gate_weight"].reshape(1, -1)
 

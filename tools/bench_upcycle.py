@@ -1,22 +1,30 @@
-"""Benchmark the upcycler on a ~1B-parameter dense checkpoint.
+"""Benchmark the upcycler, or the Hugging Face MoE importer, on a ~1B-parameter checkpoint.
 
-    python tools/bench_upcycle.py --workdir /scratch/bench [--source megatron|hf] [--experts 8]
-                                  [--results bench.json]
+    python tools/bench_upcycle.py --workdir /scratch/bench [--source megatron|hf|hf_moe]
+                                  [--experts N] [--results bench.json]
 
-1. Builds a dense model (fp32, random init; default 18 layers, hidden 2048, SwiGLU FFN 5632,
-   vocab 32000: about 1.06B parameters), unless `--workdir` already holds it, in its own child
-   process: `--source megatron` (default) a Megatron-Core GPTModel saved with
-   `dist_checkpointing.save` (torch_dist); `--source hf` a Hugging Face Llama (transformers,
-   grouped-query attention with 4 KV heads) saved as 1 GB safetensors shards.
-2. Runs `tools/upcycle_ckpt.py` on it in a child process (default: 8 experts, top-2, plain copy)
-   and reads that process's peak RSS from the kernel (`wait4` rusage, ru_maxrss). The kernel
-   counts the parent's resident memory at fork time into a child's ru_maxrss, so this process
-   stays small: it never imports torch.
+1. Builds the source checkpoint (fp32, random init), unless `--workdir` already holds it, in its
+   own child process:
+   - `--source megatron` (default): a dense Megatron-Core GPTModel (default 18 layers, hidden
+     2048, SwiGLU FFN 5632, vocab 32000: about 1.06B parameters) saved with
+     `dist_checkpointing.save` (torch_dist);
+   - `--source hf`: the same dense shape as a Hugging Face Llama (transformers, grouped-query
+     attention with 4 KV heads) saved as 1 GB safetensors shards;
+   - `--source hf_moe`: a DeepSeek-V3-shaped Hugging Face MoE model (transformers; default
+     9 layers of which the first is dense (FFN 5632), hidden 2048, 16 heads of multi-head latent
+     attention with q/kv ranks 768/512, 64 routed experts of FFN 256 in 8 groups (4 chosen,
+     top-8), one shared expert, a non-zero correction bias, vocab 32000: about 1.09B
+     parameters) saved as 1 GB safetensors shards (building it peaks near 7 GB of memory).
+2. Converts it in a child process and reads that process's peak RSS from the kernel (`wait4`
+   rusage, ru_maxrss): `tools/upcycle_ckpt.py` for the dense sources (default 8 experts, top-2,
+   plain copy), `tools/import_hf.py` for `hf_moe` (whose `--experts`/`--topk` shape the source
+   model instead). The kernel counts the parent's resident memory at fork time into a child's
+   ru_maxrss, so this process stays small: it never imports torch.
 3. Reports wall time (whole process, and the conversion itself from the converter's per-part
    metrics), output size, MB/s written and peak RSS, checks the bar
    peak RSS < output size / 2, writes the figures as JSON (`--results`) and the per-layer metrics
-   the converter wrote (`upcycle_metrics.jsonl`) stay next to them. The output checkpoint is
-   deleted afterwards unless `--keep`.
+   the converter wrote (`upcycle_metrics.jsonl` or `import_metrics.jsonl`) next to them. The
+   output checkpoint is deleted afterwards unless `--keep`.
 
 Exit code 1 if the bar is missed.
 """
@@ -29,20 +37,32 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "upcycle_ckpt.py"
+HF_SHARD_SIZE = "1GB"
+DEEPSEEK_V3_SHAPE = dict(q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128,
+                         qk_rope_head_dim=64, v_head_dim=128, n_group=8, topk_group=4,
+                         n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5)
+"""The `--source hf_moe` model's fixed DeepSeek-V3 settings: V3's head dimensions, kv rank, expert
+groups and gate scale; its q rank halved (V3: 1536); one dense layer (V3: 3)."""
 
 
 def directory_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def make_dense_checkpoint(directory: Path, layers: int, hidden: int, ffn: int, heads: int,
-                          vocab: int) -> int:
+def publish(tmp: Path, directory: Path, params: int) -> int:
+    """Move a finished checkpoint from `tmp` into place with its parameter count."""
+    os.replace(tmp, directory)
+    (directory / "params.txt").write_text(str(params))
+    return params
+
+
+def make_megatron_dense(directory: Path, tmp: Path, args: argparse.Namespace) -> int:
     """Save a random-init fp32 dense GPT with Megatron-Core; returns its parameter count."""
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     import torch
     import torch.nn.functional as F
     from megatron.core import dist_checkpointing
@@ -54,55 +74,105 @@ def make_dense_checkpoint(directory: Path, layers: int, hidden: int, ffn: int, h
 
     setup_megatron(seed=1)
     try:
-        config = cpu_transformer_config(num_layers=layers, hidden_size=hidden,
-                                        num_attention_heads=heads, ffn_hidden_size=ffn,
+        config = cpu_transformer_config(num_layers=args.layers, hidden_size=args.hidden,
+                                        num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
                                         gated_linear_unit=True, activation_func=F.silu,
                                         normalization="RMSNorm")
         with torch.no_grad():
             model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
-                normalization="RMSNorm"), vocab_size=vocab, max_sequence_length=4096,
+                normalization="RMSNorm"), vocab_size=args.vocab, max_sequence_length=4096,
                 pre_process=True, post_process=True, position_embedding_type="rope",
                 share_embeddings_and_output_weights=False)
         params = sum(p.numel() for p in model.parameters())
-        tmp = directory.with_name(directory.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        args = argparse.Namespace(num_attention_heads=heads, swiglu=True, num_layers=layers)
-        dist_checkpointing.save({"model": model.sharded_state_dict(), "args": args,
+        saved_args = argparse.Namespace(num_attention_heads=args.heads, swiglu=True,
+                                        num_layers=args.layers)
+        dist_checkpointing.save({"model": model.sharded_state_dict(), "args": saved_args,
                                  "iteration": 1, "checkpoint_version": 3.0}, str(tmp))
-        os.replace(tmp, directory)
-        (directory / "params.txt").write_text(str(params))
-        return params
+        return publish(tmp, directory, params)
     finally:
         teardown_megatron()
 
 
-def make_hf_checkpoint(directory: Path, layers: int, hidden: int, ffn: int, heads: int,
-                       vocab: int) -> int:
-    """Save a random-init fp32 Hugging Face Llama; returns its parameter count."""
+def save_hf(config, directory: Path, tmp: Path) -> int:
+    """Build a random-init fp32 transformers model from `config` and save it as safetensors
+    shards (a non-zero correction bias where it has one, as a trained DeepSeek-V3 has)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
-                         num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=4, rope_theta=500000.0, tie_word_embeddings=False)
     torch.manual_seed(1)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.1)
     params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(str(tmp), max_shard_size=HF_SHARD_SIZE)
+    return publish(tmp, directory, params)
+
+
+def make_hf_llama(directory: Path, tmp: Path, args: argparse.Namespace) -> int:
+    """Save a random-init fp32 Hugging Face Llama; returns its parameter count."""
+    from transformers import LlamaConfig
+
+    return save_hf(LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=4,
+        rope_theta=500000.0, tie_word_embeddings=False), directory, tmp)
+
+
+def make_hf_deepseek_v3(directory: Path, tmp: Path, args: argparse.Namespace) -> int:
+    """Save a random-init fp32 DeepSeek-V3-shaped Hugging Face MoE model; returns its parameter
+    count."""
+    from transformers import DeepseekV3Config
+
+    return save_hf(DeepseekV3Config(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.heads, n_routed_experts=args.experts,
+        num_experts_per_tok=args.topk, moe_intermediate_size=args.expert_ffn,
+        num_nextn_predict_layers=0, tie_word_embeddings=False, **DEEPSEEK_V3_SHAPE),
+        directory, tmp)
+
+
+def upcycle_args(args: argparse.Namespace) -> list[str]:
+    return ["--num-experts", str(args.experts), "--topk", str(args.topk), "--granularity",
+            str(args.granularity)]
+
+
+@dataclass(frozen=True)
+class Source:
+    """A benchmarked input: how it is built and which tool converts it."""
+
+    directory: str                       # under --workdir
+    make: Callable[[Path, Path, argparse.Namespace], int]   # (directory, tmp, args) -> params
+    tool: str                            # under tools/
+    tool_args: Callable[[argparse.Namespace], list[str]]
+    metrics_file: str                    # per-part metrics the tool writes into its output
+    defaults: dict                       # for the shape options left unset
+
+
+DENSE_DEFAULTS = dict(layers=18, experts=8, topk=2)
+SOURCES = {
+    "megatron": Source("dense", make_megatron_dense, "upcycle_ckpt.py", upcycle_args,
+                       "upcycle_metrics.jsonl", DENSE_DEFAULTS),
+    "hf": Source("dense_hf", make_hf_llama, "upcycle_ckpt.py", upcycle_args,
+                 "upcycle_metrics.jsonl", DENSE_DEFAULTS),
+    "hf_moe": Source("moe_hf", make_hf_deepseek_v3, "import_hf.py", lambda args: [],
+                     "import_metrics.jsonl", dict(layers=9, experts=64, topk=8)),
+}
+
+
+def build_source(source: Source, directory: Path, args: argparse.Namespace) -> int:
+    """Build the source checkpoint into `directory` (through a temporary sibling)."""
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp), max_shard_size="1GB")
-    os.replace(tmp, directory)
-    (directory / "params.txt").write_text(str(params))
-    return params
+    return source.make(directory, tmp, args)
 
 
-def run_converter(dense: Path, output: Path, experts: int, topk: int,
-                  granularity: int) -> tuple[float, int, int]:
+def run_converter(command: list[str]) -> tuple[float, int, int]:
     """(wall seconds, peak RSS bytes, exit code) of one converter process."""
-    command = [sys.executable, str(TOOL), "--load", str(dense), "--save", str(output),
-               "--num-experts", str(experts), "--topk", str(topk), "--granularity",
-               str(granularity), "--overwrite"]
     start = time.perf_counter()
     proc = subprocess.Popen(command)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -110,49 +180,65 @@ def run_converter(dense: Path, output: Path, experts: int, topk: int,
     return seconds, usage.ru_maxrss * 1024, os.waitstatus_to_exitcode(status)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", required=True, type=Path)
-    p.add_argument("--source", choices=("megatron", "hf"), default="megatron",
-                   help="dense checkpoint format: Megatron torch_dist or Hugging Face")
-    p.add_argument("--layers", type=int, default=18)
+    p.add_argument("--source", choices=tuple(SOURCES), default="megatron",
+                   help="megatron: dense torch_dist, upcycled; hf: dense Hugging Face Llama, "
+                        "upcycled; hf_moe: DeepSeek-V3-shaped Hugging Face MoE, imported with "
+                        "tools/import_hf.py")
+    p.add_argument("--layers", type=int, default=None, help="default 18 (hf_moe: 9)")
     p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--ffn", type=int, default=5632)
+    p.add_argument("--ffn", type=int, default=5632, help="dense FFN (hf_moe: its dense layer)")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--granularity", type=int, default=1)
+    p.add_argument("--experts", type=int, default=None,
+                   help="experts of the upcycled model, default 8 (hf_moe: routed experts of "
+                        "the source, default 64)")
+    p.add_argument("--topk", type=int, default=None, help="default 2 (hf_moe: 8)")
+    p.add_argument("--granularity", type=int, default=1, help="upcycling only")
+    p.add_argument("--expert-ffn", type=int, default=256, help="hf_moe only: expert FFN size")
     p.add_argument("--results", type=Path, default=None, help="write the figures as JSON here")
-    p.add_argument("--keep", action="store_true", help="keep the MoE output checkpoint")
-    p.add_argument("--make-dense-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--keep", action="store_true", help="keep the output checkpoint")
+    p.add_argument("--build-source-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    for name, value in SOURCES[args.source].defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
-    dense = args.workdir / ("dense" if args.source == "megatron" else "dense_hf")
-    if args.make_dense_only:
-        make = make_dense_checkpoint if args.source == "megatron" else make_hf_checkpoint
-        make(dense, args.layers, args.hidden, args.ffn, args.heads, args.vocab)
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    source = SOURCES[args.source]
+    load = args.workdir / source.directory
+    if args.build_source_only:
+        build_source(source, load, args)
         return 0
-    if not (dense / "params.txt").exists():
-        print(f"building the dense checkpoint in {dense} ...", flush=True)
+    if not (load / "params.txt").exists():
+        print(f"building the source checkpoint in {load} ...", flush=True)
         start = time.perf_counter()
-        subprocess.run([sys.executable, __file__, "--make-dense-only", *(argv or sys.argv[1:])],
-                       check=True)
+        subprocess.run([sys.executable, __file__, "--build-source-only",
+                        *(sys.argv[1:] if argv is None else argv)], check=True)
         print(f"  done in {time.perf_counter() - start:.0f} s", flush=True)
-    params = int((dense / "params.txt").read_text())
+    params = int((load / "params.txt").read_text())
     output = args.workdir / "moe"
-    seconds, peak_rss, code = run_converter(dense, output, args.experts, args.topk,
-                                            args.granularity)
+    command = [sys.executable, str(ROOT / "tools" / source.tool), "--load", str(load), "--save",
+               str(output), "--overwrite", *source.tool_args(args)]
+    seconds, peak_rss, code = run_converter(command)
     if code != 0:
-        print(f"error: the converter exited with code {code}", file=sys.stderr)
+        print(f"error: {source.tool} exited with code {code}", file=sys.stderr)
         return 2
     out_bytes = directory_bytes(output)
-    parts = [json.loads(line) for line in (output / "upcycle_metrics.jsonl").read_text()
+    parts = [json.loads(line) for line in (output / source.metrics_file).read_text()
              .splitlines()]
     convert_seconds = sum(part["seconds"] for part in parts)
+    shape = {"experts": args.experts, "topk": args.topk}
+    shape.update({"expert_ffn": args.expert_ffn} if args.source == "hf_moe" else
+                 {"granularity": args.granularity})
     figures = {
-        "source": args.source, "dense_parameters": params, "dense_bytes": directory_bytes(dense),
-        "experts": args.experts, "topk": args.topk, "granularity": args.granularity,
+        "source": args.source, "tool": source.tool, "source_parameters": params,
+        "source_bytes": directory_bytes(load), **shape,
         "wall_seconds": round(seconds, 2), "convert_seconds": round(convert_seconds, 2),
         "output_bytes": out_bytes, "mb_per_s_written": round(out_bytes / 1e6 / seconds, 1),
         "mb_per_s_during_conversion": round(out_bytes / 1e6 / convert_seconds, 1),
@@ -163,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(figures, indent=2))
     if args.results:
         args.results.write_text(json.dumps(figures, indent=2) + "\n")
-        shutil.copy(output / "upcycle_metrics.jsonl",
+        shutil.copy(output / source.metrics_file,
                     args.results.with_name(args.results.stem + "_layers.jsonl"))
     if not args.keep:
         shutil.rmtree(output)

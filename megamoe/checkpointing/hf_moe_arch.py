@@ -252,7 +252,10 @@ def _deepseek_v3(config: dict, fields: _Fields, where: Path) -> HFMoEModel:
                      "megamoe always renormalises top-k sigmoid gates")
     fields.refuse_if(topk == 1, "num_experts_per_tok",
                      "a single sigmoid gate renormalised to 1 is not megamoe's top-1 gate")
-    first_dense = fields.whole("first_k_dense_replace", limit=arch.num_layers, default=0)
+    first_dense = fields.whole("first_k_dense_replace", limit=arch.num_layers) if \
+        config.get("first_k_dense_replace") else 0
+    fields.refuse_if(first_dense == arch.num_layers, "first_k_dense_replace",
+                     "every layer dense leaves no MoE layer; import it as a dense model")
     fields.refuse_if(fields.whole("moe_layer_freq", default=1) != 1, "moe_layer_freq",
                      "DeepSeek-V3 has MoE in every layer after the first dense ones")
     ffn = fields.whole("moe_intermediate_size", limit=1 << 20)

@@ -21,7 +21,8 @@ grouped-query attention and dense MLP of `megamoe.checkpointing.hf_source`:
 The files must hold exactly the tensors config.json implies, in its shapes: a bias, an unknown
 tensor or a missing one is refused in one line. Layers beyond `num_hidden_layers` are DeepSeek's
 multi-token-prediction layers, refused unless dropped explicitly (and then logged).
-Memory: one layer's non-expert tensors, plus one expert while it is written.
+Memory: one layer's non-expert tensors, plus one expert while it is written; outside the layers,
+one tensor at a time.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from megamoe.checkpointing.hf_source import (HF_LAYER, LINEAR_EXTRA_STATE, NON_L
                                              attention_tensors, glu_fc1, none_bytes,
                                              tensor_shapes)
 from megamoe.checkpointing.safetensors_io import SafetensorsReader
-from megamoe.checkpointing.sharded_keys import KeyLayout, ObjectItem, TensorChunk, whole_tensor
+from megamoe.checkpointing.sharded_keys import KeyLayout, ObjectItem, TensorChunk
 from megamoe.errors import CheckpointError
 from megamoe.paths import inside
 
@@ -268,9 +269,16 @@ class HFMoESource:
         return chunks
 
     def non_layer_items(self) -> list[TensorChunk]:
-        return [whole_tensor(mg, self.reader.read(hf).to(self.dtype))
-                for hf, mg in NON_LAYER.items()
-                if not (hf == "lm_head.weight" and self.arch.tie_word_embeddings)]
+        """The embedding, final norm and output layer, each read only when written (written as
+        parts of their own, the two vocabulary-sized matrices are then never held together)."""
+        chunks = []
+        for hf, mg in NON_LAYER.items():
+            if hf == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue
+            shape = self.reader.shapes[hf]
+            chunks.append(TensorChunk(mg, shape, (0,) * len(shape), shape, self.dtype,
+                                      lambda hf=hf: self.reader.read(hf).to(self.dtype)))
+        return chunks
 
 
 def _layer_index(name: str) -> int:

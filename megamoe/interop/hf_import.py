@@ -82,7 +82,9 @@ def _write_layers(source: HFMoESource, writer: StreamingCheckpointWriter,
                                        start))
             bar.update(1)
         start = time.perf_counter()
-        written = writer.write_part(source.non_layer_items())
+        # One part (file) per tensor: torch's DCP writer keeps each named tensor of a part until
+        # the part's file is complete, which held the embedding and output matrices together.
+        written = sum(writer.write_part([chunk]) for chunk in source.non_layer_items())
         metrics.append(part_metric("embeddings and output layer", False, written, start))
         bar.update(1)
     return metrics

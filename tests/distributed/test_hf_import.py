@@ -144,3 +144,30 @@ def test_refusals_are_one_line_and_leave_nothing(tmp_path):
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and field in lines[0], done.stderr
         assert not (tmp_path / "out").exists()
+
+
+def _deepseek_config(directory: Path, **fields) -> Path:
+    """A DeepSeek-V3 config.json only (the config reader needs no weights)."""
+    from transformers import AutoConfig
+
+    from hf_models import ARCHS, BASE
+
+    AutoConfig.for_model("deepseek_v3", **{**BASE, **ARCHS["deepseek_v3"], **fields}
+                         ).save_pretrained(str(directory))
+    return directory
+
+
+def test_deepseek_routing_and_dense_layers_read_as_transformers_runs_them(tmp_path):
+    """Groups scored by their top 2 whatever the top-k (8 groups of 2, 2 chosen, top-2: not
+    Megatron's topk/groups_per_token = 1); first_k_dense_replace=0 means every layer MoE, and
+    every layer dense is refused."""
+    from megamoe.checkpointing.hf_moe_arch import read_hf_moe_model
+    from megamoe.errors import CheckpointError
+
+    model = read_hf_moe_model(_deepseek_config(tmp_path / "a", n_routed_experts=16, n_group=8,
+                                               topk_group=2, first_k_dense_replace=0))
+    moe = model.train_sections()["moe"]
+    assert (moe["num_groups"], moe["groups_per_token"], moe["group_score_topk"]) == (8, 2, 2)
+    assert model.moe.pattern == (True, True)
+    with pytest.raises(CheckpointError, match="first_k_dense_replace=2 is not supported"):
+        read_hf_moe_model(_deepseek_config(tmp_path / "b", first_k_dense_replace=2))

@@ -1,17 +1,19 @@
-"""Export a megamoe MoE checkpoint as a Hugging Face model (Mixtral, Qwen2-MoE or Qwen3-MoE).
+"""Export a megamoe MoE checkpoint as a Hugging Face model (Mixtral, Qwen2-MoE, Qwen3-MoE or
+DeepSeek-V3).
 
-    python tools/export_hf.py --load CKPT --save OUT [--arch mixtral|qwen2_moe|qwen3_moe]
-                              [--tokenizer HF_TOKENIZER_DIR] [--verify]
+    python tools/export_hf.py --load CKPT --save OUT
+        [--arch mixtral|qwen2_moe|qwen3_moe|deepseek_v3] [--tokenizer HF_TOKENIZER_DIR] [--verify]
 
 CKPT: a megamoe training checkpoint (a run's checkpoint folder, or its checkpoints/ directory)
-or tools/upcycle_ckpt.py's output from a Hugging Face model. Writes config.json, safetensors
-shards with their index, and the tokenizer (from --tokenizer, else the upcycler's
-hf_tokenizer/). The default --arch is the one that expresses the model (Qwen3-MoE with QK norm,
-Qwen2-MoE with a gated shared expert, else Mixtral); settings the architecture cannot express
-(sigmoid routing, expert bias, group limits, top-p, dense layers in Mixtral, ...) are refused in
-one line. `--verify` loads OUT with transformers on CPU, checks its logits against megamoe's
-(max |difference| <= 1e-4 in fp32) and runs `generate`. Bad input: one line on stderr, exit
-code 2, no output left behind.
+or the output of tools/upcycle_ckpt.py or tools/import_hf.py. Writes config.json, safetensors
+shards with their index, and the tokenizer (from --tokenizer, else the converter's
+hf_tokenizer/). The default --arch is the one that expresses the model (DeepSeek-V3 with
+multi-head latent attention, Qwen3-MoE with QK norm, Qwen2-MoE with a gated shared expert, else
+Mixtral); settings the architecture cannot express (sigmoid routing, expert bias and group
+limits outside DeepSeek-V3, top-p, dense layers in Mixtral, ...) are refused in one line.
+`--verify` loads OUT with transformers on CPU, checks its logits against megamoe's (max
+|difference| <= 1e-4 in fp32) and runs `generate`. Bad input: one line on stderr, exit code 2,
+no output left behind.
 """
 from __future__ import annotations
 

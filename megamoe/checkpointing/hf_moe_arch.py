@@ -37,6 +37,9 @@ from megamoe.errors import CheckpointError
 MOE_IMPORT_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 MAX_EXPERTS = 1 << 14
 """More routed experts than this (16,384) is refused as a corrupt config."""
+MIN_CORPUS_VOCAB = 100
+"""The smallest `data.vocab_size` the default corpus's tokenizer takes (as megamoe.train.config
+checks it)."""
 DEEPSEEK_GROUP_SCORE_TOPK = 2
 """DeepSeek-V3 scores an expert group by the sum of its two best biased scores."""
 
@@ -110,7 +113,9 @@ class HFMoEModel:
         return self.arch.model_type
 
     def train_sections(self) -> dict[str, dict]:
-        """The `model` and `moe` sections of a megamoe training config for this model."""
+        """The `model` and `moe` sections of a megamoe training config for this model, and a
+        `data` section whose `vocab_size` (when the default corpus can have it) makes the
+        default corpus's tokenizer as large as the model's vocabulary."""
         model = self.arch.model_settings()
         if self.mla is not None:
             for gqa_only in ("num_query_groups", "kv_channels", "qk_layernorm", "add_qkv_bias"):
@@ -118,7 +123,10 @@ class HFMoEModel:
             model.update(self.mla.model_settings())
         pattern = self.moe.pattern
         model["moe_layer_freq"] = 1 if all(pattern) else [int(moe) for moe in pattern]
-        return {"model": model, "moe": self.moe.moe_settings()}
+        sections = {"model": model, "moe": self.moe.moe_settings()}
+        if self.arch.vocab_size >= MIN_CORPUS_VOCAB:
+            sections["data"] = {"vocab_size": self.arch.vocab_size}
+        return sections
 
 
 def read_hf_moe_model(directory: Path) -> HFMoEModel:

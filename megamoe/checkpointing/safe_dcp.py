@@ -272,7 +272,8 @@ def load_dist_checkpoint(request: dict, directory: str | os.PathLike, **kwargs) 
 
     from megamoe.megatron import compat
 
-    read_dcp_metadata(Path(directory) / METADATA_FILE)
+    _check_global_shapes(request, read_dcp_metadata(Path(directory) / METADATA_FILE),
+                         Path(directory))
     if compat.load_takes_common_strategy():
         kwargs["common_strategy"] = _safe_common_strategy()()
     else:  # megatron-core >= 0.19 reads the common state itself: check it through ours first
@@ -287,6 +288,27 @@ def load_dist_checkpoint(request: dict, directory: str | os.PathLike, **kwargs) 
         if cause is not None:
             raise cause from None
         raise
+
+
+def _check_global_shapes(request: dict, metadata: Metadata, directory: Path) -> None:
+    """Every tensor the load asks for has the global shape the checkpoint saved (DCP itself
+    reads the overlap of a larger request and leaves the rest as it was: a model with a larger
+    vocabulary would train on random embedding rows)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    saved = metadata.state_dict_metadata
+    for tensor in nested_values(request):
+        if not isinstance(tensor, ShardedTensor):
+            continue
+        size = getattr(saved.get(tensor.key), "size", None)
+        if size is not None and tuple(size) != tuple(tensor.global_shape):
+            hint = (f" (a vocabulary of {size[0]}: train with the model's tokenizer, or with "
+                    f"data.vocab_size={size[0]} on the default corpus)" if tensor.key.endswith(
+                        ("word_embeddings.weight", "output_layer.weight")) else "")
+            raise CheckpointError(f"{directory} holds {tensor.key} of shape {tuple(size)}, this "
+                                  f"run's model {tuple(tensor.global_shape)}{hint}; make the "
+                                  "config's model sections match the checkpoint")
 
 
 def _megamoe_cause(err: BaseException):

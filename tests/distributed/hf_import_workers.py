@@ -29,6 +29,7 @@ def import_job(rank: int, world_size: int, imports: dict, tokens: torch.Tensor,
                                       {**sections, "vocab_size": 4096}, tokens,
                                       expert_parallel=world_size)
         raw = {**sections, **training, "output_dir": f"{training['output_dir']}/{arch}",
+               "data": {**sections["data"], **training["data"]},
                "parallel": {"expert": world_size},
                "checkpoint": {"init_from": folder}}
         assert loop.run(config_from_dict(raw)) == 0

@@ -171,3 +171,19 @@ def test_deepseek_routing_and_dense_layers_read_as_transformers_runs_them(tmp_pa
     assert model.moe.pattern == (True, True)
     with pytest.raises(CheckpointError, match="first_k_dense_replace=2 is not supported"):
         read_hf_moe_model(_deepseek_config(tmp_path / "b", first_k_dense_replace=2))
+
+
+def test_a_model_of_another_vocabulary_is_refused_not_partly_loaded(imported):
+    """DCP alone would load the checkpoint's 4096 embedding rows into a larger model and leave
+    the rest random: the load names the tensor and both shapes instead."""
+    import yaml
+
+    from megamoe.errors import CheckpointError
+    from megamoe.upcycle.hf_logits import megamoe_logits, sample_tokens
+
+    folder = imported["mixtral"][1]
+    sections = yaml.safe_load((folder / TRAIN_CONFIG).read_text())
+    assert sections["data"] == {"vocab_size": 4096}
+    with pytest.raises(CheckpointError, match=r"word_embeddings.weight of shape \(4096, 64\), "
+                       r"this run's model \(8192, 64\).*data.vocab_size=4096"):
+        megamoe_logits(folder / "release", {**sections, "vocab_size": 8192}, sample_tokens(8))

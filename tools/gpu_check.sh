@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, in one call, for a machine with one CUDA GPU (megamoe and megatron-core
 # importable; Transformer Engine or grouped_gemm for the grouped-GEMM peer):
-#   1. the CUDA tests (grouped GEMM, shared-expert overlap, the Megatron GPT parity tests);
+#   1. the CUDA tests: the expert kernels (the same torch grouped_mm path, bf16 against fp32, that
+#      the CPU tests run), the layer, shared-expert overlap, the Megatron GPT parity tests;
 #   2. the layer benchmark, megamoe vs Megatron-Core's grouped-GEMM experts (TEGroupedMLP when
 #      Transformer Engine imports, else the legacy GroupedMLP when grouped_gemm imports; never
 #      SequentialMLP, a per-expert loop);
@@ -35,8 +36,9 @@ megatron.core.__version__, '|', torch.cuda.get_device_name(), '| CUDA', torch.ve
     | tee "$out/gpu.txt"
 
 # 1. CUDA tests ---------------------------------------------------------------------------------
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/unit/test_layer.py \
-    tests/distributed/test_shared_overlap_cuda.py tests/unit/test_megatron_gpt.py \
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/unit/test_experts.py \
+    tests/unit/test_layer.py tests/distributed/test_shared_overlap_cuda.py \
+    tests/unit/test_megatron_gpt.py \
     > "$out/tests.log" 2>&1
 status=$?
 counts=$(grep -E "passed|failed|error" "$out/tests.log" | tail -1)
@@ -63,7 +65,7 @@ else
         tag=$(echo "$args" | tr -dc 'a-z0-9')
         if timeout 180 python3 tools/bench_moe_layer.py --dtype bf16 --peer "$peer" $args \
                 --json "$out/layer_$tag.json" > "$out/layer_$tag.log" 2>&1; then
-            record "PASS layer benchmark bf16 $args vs $peer: $(python3 -c "import json,sys; f=json.load(open(sys.argv[1])); print(f\"megamoe {f['megamoe_ms']:.2f} ms, {f['megatron_experts']} {f['megatron-core_ms']:.2f} ms, ratio {f['ratio']:.3f}\")" "$out/layer_$tag.json")"
+            record "PASS layer benchmark bf16 $args vs $peer: $(grep '^summary: ' "$out/layer_$tag.log" | cut -c10-)"
         else
             record "FAIL layer benchmark bf16 $args vs $peer: $(grep -v -i warn "$out/layer_$tag.log" | tail -1)"
         fi

@@ -1,4 +1,5 @@
-"""Expert activations, each with its derivative for the experts' hand-written backward.
+"""Expert activations, each with its derivative for the experts' written-out backward
+(`megamoe.experts.grouped`).
 
 For swiglu, fc1 holds [gate; up] stacked along its output dimension, the layout Megatron-Core
 uses (Shazeer, "GLU Variants Improve Transformer", arXiv 2002.05202).
@@ -25,9 +26,13 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_backward(h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Both halves written straight into one gradient buffer (no concatenation)."""
     gate, up = h.chunk(2, dim=-1)
-    grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
-    return torch.cat([grad_gate, grad * F.silu(gate)], dim=-1)
+    grad_h = torch.empty_like(h)
+    grad_gate, grad_up = grad_h.chunk(2, dim=-1)
+    torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+    torch.mul(grad, F.silu(gate), out=grad_up)
+    return grad_h
 
 
 def gelu_backward(h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

@@ -51,8 +51,9 @@ class MoELayer(nn.Module):
         self.router.group_comm = self.ep_comm
         self.dispatcher = DISPATCHERS[cfg.dispatcher](cfg.num_experts, self.ep_comm)
         # Experts on different expert-parallel ranks must start different: seed their init with
-        # a draw from the default generator (identical on every rank) plus the rank.
-        seed = int(torch.randint(0, 2**62, ()))
+        # a draw from the default (CPU) generator, identical on every rank, plus the rank; on
+        # the CPU also under a meta device context (the memory planner builds models there).
+        seed = int(torch.randint(0, 2**62, (), device="cpu"))
         with torch.random.fork_rng(devices=[]):
             torch.random.default_generator.manual_seed(seed + self.ep_comm.rank)
             self.experts = GroupedExperts(cfg, cfg.num_experts // self.ep_comm.size, init_method,

@@ -140,21 +140,26 @@ def _is_cuda_device(device) -> bool:
 
 
 class _CudaAsCpuMode(TorchFunctionMode):
-    """Torch calls that would allocate on CUDA allocate on the CPU: a `device` argument naming
-    CUDA becomes the CPU, `Tensor.cuda()` is the identity, and `Tensor.type()` reports CPU
-    tensors under their CUDA type names (Megatron's optimizer checks them)."""
+    """Torch calls that would allocate on CUDA allocate on `device` (the CPU by default): a
+    `device` argument naming CUDA becomes `device`, `Tensor.cuda()` is the identity, and
+    `Tensor.type()` reports tensors under their CUDA type names (Megatron's optimizer checks
+    them)."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__()
+        self.device = device
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
+            name = func(*args).replace("torch.meta.", "torch.")
             return _CUDA_TYPE_NAMES.get(name, name)
         if _is_cuda_device(kwargs.get("device")):
-            kwargs["device"] = "cpu"
+            kwargs["device"] = self.device
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], "cpu", *args[2:])
+            args = (args[0], self.device, *args[2:])
         return func(*args, **kwargs)
 
 
@@ -164,6 +169,17 @@ def cuda_as_cpu() -> Iterator[None]:
     `torch.cuda.current_device()` naming the CPU and CUDA streams and events as host no-ops
     (`_CUDA_ON_CPU`). Only the overridden entry points use it."""
     with _swapped_cuda_functions(_CUDA_ON_CPU), _CudaAsCpuMode():
+        yield
+
+
+@contextlib.contextmanager
+def cuda_as_meta() -> Iterator[None]:
+    """As `cuda_as_cpu`, but what Megatron-Core's training components would put on CUDA lands
+    on the meta device (shapes and dtypes, no memory): the memory planner builds a rank's
+    gradient buffers and distributed optimizer this way. Explicit CPU allocations (the
+    metadata of object collectives) stay on the CPU."""
+    meta = {**_CUDA_ON_CPU, "current_device": lambda: torch.device("meta")}
+    with _swapped_cuda_functions(meta), _CudaAsCpuMode("meta"):
         yield
 
 

@@ -177,7 +177,11 @@ class DataConfig:
     split: str = "100,0,0"
     """train/valid/test document split weights."""
     vocab_size: int = 4096
-    """Tokenizer size of the default corpus (ignored with `prefixes`)."""
+    """Vocabulary size. Without `prefixes`: the size the default corpus's tokenizer is trained
+    to. With `prefixes` the trainer takes `tokenizer_model`'s own size, and this value says
+    what that size is where the tokenizer is not at hand: the memory planner
+    (`tools/plan_memory.py`) counts the embedding and output layer with it (the recipes set
+    their model's vocabulary here)."""
     num_workers: int = 0
     """Data loader worker processes per rank."""
     eod_mask_loss: bool = False

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from functools import partial
-from typing import Iterator
+from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
 from megatron.core import parallel_state
@@ -65,9 +65,12 @@ class Engine:
     docstring. `chunks` are GPTModels on the CPU; on CUDA they are moved to this rank's GPU."""
 
     def __init__(self, chunks: list[torch.nn.Module], tc: TransformerConfig,
-                 config: TrainConfig, on_cuda: bool, routes_prompt: bool = False) -> None:
+                 config: TrainConfig, on_cuda: bool, routes_prompt: bool = False,
+                 device_context: Optional[Callable[[], ContextManager]] = None) -> None:
         self.config = config
         self.on_cuda = on_cuda
+        # Where Megatron's components allocate; the memory planner passes `cuda_as_meta`.
+        self._device_context = device_context
         self.routes_prompt = routes_prompt
         self.mask = attention_mask_for(config.model.seq_length, on_cuda)
         self.layer_seeds = LayerSeeds(chunks, config.training.seed)
@@ -102,6 +105,8 @@ class Engine:
     def device_context(self):
         """Where Megatron-Core's training components run: as they are on CUDA, under
         `cuda_as_cpu` on the CPU."""
+        if self._device_context is not None:
+            return self._device_context()
         return contextlib.nullcontext() if self.on_cuda else cuda_as_cpu()
 
     def _forward_step(self, data_iterator: Iterator[Batch], model: torch.nn.Module):

@@ -147,6 +147,16 @@ def build_model(config: TrainConfig, tc: TransformerConfig, vocab_size: int
     dense and megamoe layers as `model.first_k_dense` and `model.moe_layer_freq` say, per-layer
     MoE overrides from `moe.layer_overrides`. Their initial weights are those of
     `training.seed` whatever the layout (`megamoe.megatron.seeded_init`)."""
+    chunks = build_chunks(config, tc, vocab_size)
+    initialise_weights(chunks, tc, config.training.seed, sharded_state_metadata(config))
+    return chunks
+
+
+def build_chunks(config: TrainConfig, tc: TransformerConfig, vocab_size: int
+                 ) -> list[GPTModel]:
+    """`build_model`'s chunks with Megatron's own initial values (or none: built under a meta
+    device context with `tc.perform_initialization=False`, they hold shapes only, which is how
+    the memory planner counts a rank's shard of a model of any size)."""
     overrides = {layer: _moe_settings(config, layer) for layer in config.moe["layer_overrides"]}
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     virtual = config.parallel.virtual_stages
@@ -170,5 +180,4 @@ def build_model(config: TrainConfig, tc: TransformerConfig, vocab_size: int
             rope_scaling_factor=config.model.rope_scaling_factor or 8.0,
             vp_stage=vp_stage,
         ))
-    initialise_weights(chunks, tc, config.training.seed, sharded_state_metadata(config))
     return chunks

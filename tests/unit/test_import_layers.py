@@ -27,7 +27,8 @@ LAYERS = {
     "megatron": ["megamoe.megatron"],
     "checkpointing": ["megamoe.checkpointing"],
     "train": ["megamoe.train"],
-    "apps": ["megamoe.upcycle", "megamoe.interop", "megamoe.instruct", "megamoe.simoe"],
+    "apps": ["megamoe.upcycle", "megamoe.interop", "megamoe.instruct", "megamoe.simoe",
+             "megamoe.plan"],
 }
 RANK = {layer: rank for rank, layer in enumerate(LAYERS)}
 HOST_FRAMEWORKS = {"megatron", "transformer_engine", "apex", "deepspeed", "transformers"}

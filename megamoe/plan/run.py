@@ -1,0 +1,111 @@
+"""What `tools/plan_memory.py` does: read the config, plan its layout (or every layout of a
+world size), optionally measure it, print and write the results."""
+from __future__ import annotations
+
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Optional
+
+from megamoe.errors import ConfigError
+from megamoe.plan.layouts import config_layout, layouts_of_world
+from megamoe.plan.plan import LayoutPlan, plan_layout
+from megamoe.plan.report import layout_table, ranking_table, to_json, write_json, write_png
+from megamoe.plan.shards import model_vocab_size, parameter_counts
+from megamoe.train.config import TrainConfig
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+MAX_WORLD = 1 << 20
+
+
+def parse_memory(text: str) -> float:
+    """'80GiB', '80GB', '141e9', '0.5TiB' -> bytes (G, GiB: 2^30; GB: 10^9)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS or not math.isfinite(float(match.group(1))) \
+            or float(match.group(1)) <= 0:
+        raise ConfigError(f"--device-memory {text!r} is not a size; write e.g. 80GiB, 141GB "
+                          "or 80e9 (bytes)")
+    return float(match.group(1)) * _UNITS[unit]
+
+
+def check_world(world: Optional[int], flag: str) -> None:
+    if world is not None and not 1 <= world <= MAX_WORLD:
+        raise ConfigError(f"{flag} {world} must be a number of ranks in 1..{MAX_WORLD:,}")
+
+
+def check_maxvio(maxvio: float) -> None:
+    if not (math.isfinite(maxvio) and maxvio >= 0):
+        raise ConfigError(f"--maxvio {maxvio} must be >= 0 (0: perfectly balanced experts)")
+
+
+def _note(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def plan_config(config: TrainConfig, world: Optional[int], ranks: Optional[int],
+                maxvio: float, device: str) -> list[LayoutPlan]:
+    """The config's layout (on `ranks` ranks), or every layout of `world` ranks."""
+    vocab = model_vocab_size(config)[0]
+    if world is None:
+        layout = config_layout(config, ranks)
+        return [plan_layout(config, layout, vocab, maxvio, device)]
+    candidates = list(layouts_of_world(config, world))
+    if not candidates:
+        raise ConfigError(f"--world {world}: no layout of {world} ranks fits this config "
+                          "(layers, heads, experts and the global batch must split over it); "
+                          "try another world size")
+    plans = []
+    for index, (layout, at_layout) in enumerate(candidates, 1):
+        _note(f"planning {layout.name()} ({index}/{len(candidates)})")
+        plans.append(plan_layout(at_layout, layout, vocab, maxvio, device))
+    return plans
+
+
+def measure_config(config: TrainConfig, ranks: Optional[int], maxvio: float) -> list[dict]:
+    """`--measure`: the config's layout trained on the CPU; per rank, bytes per category."""
+    from megamoe.plan.measure import measure
+
+    layout = config_layout(config, ranks)
+    if layout.world > 8:
+        raise ConfigError(f"--measure runs one CPU process per rank; {layout.name()} needs "
+                          f"{layout.world}: measure a small config (e.g. configs/tiny_cpu.yaml)")
+    _note(f"measuring {layout.name()} on {layout.world} CPU process(es)")
+    run = {"name": "run", "config": config.to_dict(), "maxvio": maxvio}
+    return measure([run], layout.world)["run"]
+
+
+def main(config: TrainConfig, world: Optional[int], ranks: Optional[int],
+         device_memory: Optional[float], maxvio: float, json_path: Optional[Path],
+         png_path: Optional[Path], measure: bool, top: int) -> int:
+    """Plan, print, write; the exit code (0)."""
+    check_world(world, "--world")
+    check_world(ranks, "--ranks")
+    check_maxvio(maxvio)
+    if measure and world is not None:
+        raise ConfigError("--measure runs the config's own layout; drop --world (or --measure)")
+    vocab = model_vocab_size(config)
+    total, active = parameter_counts(config, vocab[0])
+    print(f"parameters: {total:,} total, {active:,} active per token "
+          f"({total / 1e9:.2f}B / {active / 1e9:.2f}B; vocabulary {vocab[0]:,} from {vocab[1]})")
+    plans = plan_config(config, world, ranks, maxvio, "cpu" if measure else "cuda")
+    measured = measure_config(config, ranks, maxvio) if measure else None
+    if world is None:
+        print(layout_table(plans[0], device_memory))
+        if measured is not None:
+            print("predicted / measured per rank (moe: the plan is the busiest rank's; "
+                  "'bound': measured 0)")
+            print(layout_table(plans[0], device_memory, measured))
+    else:
+        print(ranking_table(plans, device_memory, top))
+    if json_path is not None:
+        write_json(json_path, to_json(plans, total, active, vocab, device_memory, measured))
+        print(f"JSON: {json_path}")
+    if png_path is not None:
+        write_png(png_path, plans, device_memory, top)
+        print(f"PNG: {png_path}")
+    return 0
+

@@ -1,0 +1,164 @@
+"""The memory planner without spawning (tools/plan_memory.py, megamoe.plan): parameter counts
+of the shipped recipes against hand formulas from the models' published architectures and
+against their published totals, one stage's counted state against a hand formula, the
+pipeline schedule's in-flight micro-batches, the forced routing of --measure, the JSON
+schema, and the CLI's one-line errors (exit code 2, no output file)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _deepseek_v3(vocab=129_280, h=7168, layers=61, dense=3, dense_ffn=18_432, experts=256,
+                 ffn=2048, shared=2048, topk=8, heads=128, q_lora=1536, kv_lora=512,
+                 qk=128, rope=64, v=128):
+    """DeepSeek-V3 (arXiv 2412.19437, without multi-token prediction) by hand."""
+    attention = (h * q_lora + q_lora + q_lora * heads * (qk + rope) + h * (kv_lora + rope)
+                 + kv_lora + kv_lora * heads * (qk + v) + heads * v * h)
+    expert = 3 * h * ffn
+    moe = experts * expert + 3 * h * shared + experts * h
+    total = 2 * vocab * h + layers * (attention + 2 * h) + dense * 3 * h * dense_ffn \
+        + (layers - dense) * moe + h
+    return total, total - (layers - dense) * (experts - topk) * expert
+
+
+def _mixtral(vocab=32_000, h=4096, layers=32, heads=32, groups=8, d=128, experts=8,
+             ffn=14_336, topk=2):
+    """Mixtral 8x7B (arXiv 2401.04088) by hand."""
+    attention = 2 * h * heads * d + 2 * h * groups * d
+    expert = 3 * h * ffn
+    total = 2 * vocab * h + layers * (attention + 2 * h + experts * expert + experts * h) + h
+    return total, total - layers * (experts - topk) * expert
+
+
+@pytest.mark.parametrize("name, hand, published", [
+    ("deepseek_v3", _deepseek_v3, (671e9, 37e9)),
+    ("mixtral_8x7b", _mixtral, (46.7e9, 12.9e9))])
+def test_recipe_counts(name, hand, published):
+    from megamoe.plan.shards import model_vocab_size, parameter_counts
+    from megamoe.train.config import load_config
+
+    config = load_config(REPO / "configs" / f"{name}.yaml")
+    vocab = model_vocab_size(config)
+    total, active = parameter_counts(config, vocab[0])
+    assert (total, active) == hand()
+    assert abs(total / published[0] - 1) < 0.02 and abs(active / published[1] - 1) < 0.02
+
+
+def test_stage_state_bytes_by_hand():
+    """Pipeline stage 0 of the tiny config at TP2 x PP2 x EP2 x DP2 (8 ranks), fp32: layer 0
+    dense, layer 1 MoE; the distributed optimizer shards Adam's moments over DP (dense) and
+    expert DP; fp32 parameters are their own main weights."""
+    from megamoe.plan.layouts import Layout, with_layout
+    from megamoe.plan.shards import build_stage
+    from megamoe.train.config import load_config
+
+    layout = Layout(8, tensor=2, pipeline=2, expert=2)
+    config = with_layout(load_config(REPO / "configs/tiny_cpu.yaml"), layout)
+    shard = build_stage(config, layout, 0, bf16=False, vocab_size=4096)
+    h, tp, d, heads, groups, E, ep = 128, 2, 32, 4, 2, 8, 2
+    attention = (h * heads * d + 2 * h * groups * d + heads * d * h) // tp + 2 * h
+    dense = 4096 * h // tp + attention + 3 * h * 512 // tp
+    moe_rest = attention + E * h + 0  # router (replicated over tensor ranks)
+    experts = (E // ep) * 3 * h * 128
+    assert shard.parameters == dense + moe_rest + experts
+    assert shard.expert_parameters == experts
+    elements = dense + moe_rest + experts
+    state = shard.state_bytes
+    # DDP buffers pad each bucket to a multiple of lcm(DP, 128) elements.
+    assert 4 * elements <= state["parameters"] <= 4 * elements * 1.01
+    assert state["gradients"] == state["parameters"]
+    adam = 8 * ((dense + moe_rest) / layout.data + experts / layout.expert_data)
+    assert adam <= state["optimizer"] <= adam * 1.01 + 1024
+    assert [layer.number for chunk in shard.chunks for layer in chunk.layers] == [1, 2]
+
+
+def test_schedule_in_flight():
+    """1F1B holds P - p micro-batches at stage p (capped by their number); interleaved
+    2 (P - p - 1) + (v - 1) P + 1 chunk micro-batches (Megatron-Core's schedules)."""
+    from megamoe.plan.schedule import in_flight, peak
+
+    assert [in_flight(8, 1, 4, p) for p in range(4)] == [4, 3, 2, 1]
+    assert in_flight(2, 1, 4, 0) == 2
+    assert in_flight(1, 1, 1, 0) == 1
+    assert [in_flight(8, 2, 4, p) for p in range(4)] == [11, 9, 7, 5]
+    one = {"a": 1.0}
+    assert peak([one], [{"a": 0.0}], 8, 4, 0) == {"a": 4.0}
+    assert peak([one, {"a": 10.0}], [{"a": 0.0}] * 2, 8, 2, 1) == {"a": 12.0}
+    # A backward's recomputation adds on top of what is alive.
+    assert peak([one], [{"a": 5.0}], 3, 1, 0) == {"a": 6.0}
+
+
+@pytest.mark.parametrize("tokens, experts, topk, local, maxvio",
+                         [(32, 4, 2, 2, 1.0), (32, 8, 2, 4, 3.0), (32, 8, 2, 4, 0.0),
+                          (100, 16, 4, 16, 0.5), (64, 8, 2, 2, 1.0)])
+def test_forced_routing(tokens, experts, topk, local, maxvio):
+    from megamoe.plan.activations import routed_rows
+    from megamoe.plan.measure import forced_loads, forced_map, maxvio_of
+    from megamoe.config import MoEConfig
+
+    loads = forced_loads(tokens, experts, topk, local, maxvio)
+    map_TE = forced_map(tokens, loads)
+    assert map_TE.sum(0).tolist() == loads
+    assert (map_TE.sum(1) == topk).all()  # every token k distinct experts
+    assert maxvio_of(loads) == pytest.approx(maxvio, abs=0.05)
+    # The busiest rank (experts 0..local-1) receives the plan's bound, from one source rank.
+    cfg = MoEConfig(hidden_size=8, num_experts=experts, ffn_hidden_size=8, topk=topk)
+    ep = experts // local
+    assert sum(loads[:local]) * ep == pytest.approx(routed_rows(cfg, tokens, ep, maxvio)[1],
+                                                    rel=0.05)
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("plan_memory",
+                                                  REPO / "tools" / "plan_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_json_schema(tool, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert tool.main(["--config", str(REPO / "configs/tiny_cpu.yaml"), "--ranks", "2",
+                      "--device-memory", "1GiB", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["total_parameters"] > data["active_parameters"] > 0
+    categories = ["parameters", "gradients", "optimizer", "activations", "moe_dispatch"]
+    assert data["categories"] == categories
+    assert {(e["rank"], e["category"]) for e in data["entries"]} == {
+        (r, c) for r in range(2) for c in categories}
+    assert all(isinstance(e["bytes"], int) and e["bytes"] >= 0 for e in data["entries"])
+    (layout,) = data["layouts"]
+    assert layout["world"] == 2 and layout["data"] == 2 and layout["fits"] is True
+    assert layout["num_microbatches"] == 1
+    printed = capsys.readouterr().out
+    assert "TP1 PP1 EP2 DP2" in printed and "total" in printed
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--config", "configs/tiny_cpu.yaml", "model.num_layerz=2"], "model.num_layers"),
+    (["--config", "configs/tiny_cpu.yaml", "--device-memory", "80 gigs"], "--device-memory"),
+    (["--config", "configs/tiny_cpu.yaml", "--world", "0"], "--world 0"),
+    (["--config", "configs/tiny_cpu.yaml", "--world", "3"], "--world 3"),
+    (["--config", "configs/tiny_cpu.yaml", "--maxvio", "-1"], "--maxvio"),
+    (["--config", "configs/tiny_cpu.yaml", "--ranks", "4"], "--ranks 4"),
+    (["--config", "configs/tiny_cpu.yaml", "--ranks", "3"], "--ranks 3"),
+    (["--config", "configs/missing.yaml"], "missing.yaml"),
+])
+def test_cli_errors(tool, tmp_path, capsys, monkeypatch, argv, expected):
+    from megamoe.errors import run_cli
+
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "plan.json"
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(tool.main, argv + ["--json", str(out), "--png", str(tmp_path / "plan.png")])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2
+    assert err.startswith("error: ") and expected in err and "\n" not in err
+    assert list(tmp_path.iterdir()) == []

@@ -5,18 +5,22 @@
 Results go to runs/ unless `--out` says otherwise; the published full study is
 `--out docs/study_simoe`, so a `--quick` check never overwrites it.
 
+Two seeds (one with --quick), each with its own generated task set and tuning order:
 1. A dense GPT (configs/simoe_dense_seed.yaml) is pretrained on the embedded corpus.
 2. It is instruction-tuned on the seen task families of megamoe's generated instruction set
-   (megamoe.instruct.tasks), with the same data, order and schedule (configs/simoe_instruct.yaml):
+   (megamoe.instruct.tasks) for 5 epochs, with the same data, order and schedule
+   (configs/simoe_instruct.yaml; SIMoE with its defaults, the settings of SMAT and the paper):
    (a) full fine-tuning, (b) LoRA at the rank whose factors hold as many parameters as SIMoE's
    delta, (c) sparse upcycling to 4 experts top-2 (tools/upcycle_ckpt.py) then full fine-tuning,
    (d) SIMoE (arXiv 2506.12597), every run through `python -m megamoe.train`.
 3. Each is scored by exact match on new examples of the seen families and on the unseen
    families; the table has seen / unseen accuracy, trainable and inference parameters (active per
    token or sequence, and stored) and wall time; SIMoE's learned masks are plotted (density per
-   layer and module type, pairwise overlap) with its router's coefficients per task family.
-Claims, each printed as held or not: SIMoE generalises to unseen families at least as well as
-full fine-tuning; its masks reach the target sparsity (within 0.02); different families get
+   layer and module type, pairwise overlap, as served) with its router's coefficients per task
+   family. The table gives the mean over seeds and each seed's figure.
+Claims, each printed as held or not (on the means): SIMoE generalises to unseen families at least
+as well as full fine-tuning; it beats LoRA of as many trainable parameters on the seen families;
+its served masks reach the target sparsity (within 0.02); different families get
 different merging coefficients; its masks overlap less than independent masks of the same
 density would. Nothing is tuned towards them. Writes OUT/study.md, OUT/study.json and the PNGs
 atomically; the runs train in a temporary folder that is removed. `--quick` (CI) runs every step
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -43,8 +48,11 @@ from megamoe.errors import run_cli  # noqa: E402
 SEED_CONFIG = ROOT / "configs" / "simoe_dense_seed.yaml"
 INSTRUCT_CONFIG = ROOT / "configs" / "simoe_instruct.yaml"
 MOE = {"experts": 4, "topk": 2}
-FULL = {"seed_steps": 500, "tune_steps": 300, "per_family_train": 300, "per_family_eval": 40}
-QUICK = {"seed_steps": 4, "tune_steps": 3, "per_family_train": 4, "per_family_eval": 2}
+FULL = {"seed_steps": 500, "tune_epochs": 5, "per_family_train": 300, "per_family_eval": 40,
+        "seeds": 2}
+QUICK = {"seed_steps": 4, "tune_steps": 3, "per_family_train": 4, "per_family_eval": 2,
+         "seeds": 1}
+SEED_BASE = 1234  # training.seed of replicate 0 (the trainer's default); replicate k: + k
 CACHE: list[str] = []  # the data.cache_dir override of every run (--cache-dir)
 _TRAINABLE = re.compile(r"([\d,]+) of ([\d,]+) parameters train")
 
@@ -78,40 +86,63 @@ def parameter_counts(stdout: str) -> tuple[int, int]:
     return int(trainable.replace(",", "")), int(total.replace(",", ""))
 
 
+def tune_steps(sizes: dict) -> int:
+    """Optimizer steps of each tuning run: `tune_epochs` passes over the training set."""
+    from megamoe.instruct import tasks
+    from megamoe.train.config import load_config
+
+    if "tune_steps" in sizes:
+        return sizes["tune_steps"]
+    examples = sizes["per_family_train"] * len(tasks.SEEN_FAMILIES)
+    batch = load_config(str(INSTRUCT_CONFIG), []).training.global_batch_size
+    return math.ceil(sizes["tune_epochs"] * examples / batch)
+
+
 def study(quick: bool) -> dict:
+    sizes = QUICK if quick else FULL
+    replicates = [replicate(sizes, seed) for seed in range(sizes["seeds"])]
+    return summarise(replicates, quick, tune_steps(sizes))
+
+
+def replicate(sizes: dict, seed: int) -> dict:
+    """One seed of the study: its own task set, dense seed model and four tuning runs."""
     from megamoe.instruct import tasks
 
-    sizes = QUICK if quick else FULL
+    label = f"seed {seed}: "
+    seeded = [f"training.seed={SEED_BASE + seed}"]
     with tempfile.TemporaryDirectory(prefix="study_simoe_") as tmp:
         work = Path(tmp)
         data = tasks.write_instruction_set(work / "data", sizes["per_family_train"],
-                                           sizes["per_family_eval"])
+                                           sizes["per_family_eval"], seed=seed)
         _, _, seed_seconds = train(SEED_CONFIG, work / "seed",
-                                   [f"training.train_steps={sizes['seed_steps']}"], "dense seed")
-        tune = [f"training.train_steps={sizes['tune_steps']}",
+                                   [f"training.train_steps={sizes['seed_steps']}", *seeded],
+                                   label + "dense seed")
+        tune = [f"training.train_steps={tune_steps(sizes)}", *seeded,
                 f"finetune.train_data={data['train']}",
                 f"finetune.eval_data=[{data['eval_seen']},{data['eval_unseen']}]",
                 f"checkpoint.init_from={work / 'seed' / 'checkpoints'}"]
         arms = {"simoe": train(INSTRUCT_CONFIG, work / "simoe", [*tune, "finetune.method=simoe"],
-                               "simoe")}
+                               label + "simoe")}
         masks = inspect_simoe(work / "simoe", data["eval_seen"], data["eval_unseen"])
         rank = lora_rank_for(masks["delta_parameters"])
         arms["full"] = train(INSTRUCT_CONFIG, work / "full", [*tune, "finetune.method=full"],
-                             "full fine-tuning")
+                             label + "full fine-tuning")
         arms["lora"] = train(INSTRUCT_CONFIG, work / "lora",
                              [*tune, "finetune.method=lora", f"finetune.lora_rank={rank}",
-                              f"finetune.lora_alpha={2 * rank}"], f"LoRA r={rank}")
+                              f"finetune.lora_alpha={2 * rank}"], label + f"LoRA r={rank}")
         run(["tools/upcycle_ckpt.py", "--load", str(work / "seed" / "checkpoints"),
              "--save", str(work / "upcycled"), "--num-experts", str(MOE["experts"]),
-             "--topk", str(MOE["topk"]), "--no-progress"], "sparse upcycling")
+             "--topk", str(MOE["topk"]), "--no-progress"], label + "sparse upcycling")
         upcycled = [o for o in tune if not o.startswith("checkpoint.init_from")]
         arms["sparse_upcycling"] = train(
             INSTRUCT_CONFIG, work / "upcycled_tuned",
             [*upcycled, "finetune.method=full", f"checkpoint.init_from={work / 'upcycled'}",
              "model.first_k_dense=0", f"moe.num_experts={MOE['experts']}",
              f"moe.topk={MOE['topk']}", "moe.ffn_hidden_size=384", "moe.score_function=softmax",
-             "moe.balancing=aux_loss", "moe.aux_loss_coeff=1.0e-2"], "sparse upcycling 4x top-2")
-    return summarise(arms, masks, seed_seconds, rank, quick)
+             "moe.balancing=aux_loss", "moe.aux_loss_coeff=1.0e-2"],
+            label + "sparse upcycling 4x top-2")
+    return {"rows": table_rows(arms), "masks": masks, "seed_seconds": seed_seconds,
+            "lora_rank": rank}
 
 
 def _load_simoe(run_dir: Path):
@@ -143,13 +174,14 @@ def _module_kind(name: str) -> tuple[str, str]:
 
 
 def inspect_simoe(run_dir: Path, *eval_files: Path) -> dict:
-    """SIMoE's learned masks (density per layer and module, per expert, pairwise overlap) and
-    its router's mean coefficients per task family of the evaluation files."""
+    """SIMoE's learned masks as served (density per layer and module, per expert, pairwise
+    overlap; the expected L0 density beside them) and its router's mean coefficients per task
+    family of the evaluation files."""
     import torch
 
     from megamoe.instruct.dataset import read_records
     from megamoe.simoe.penalties import (expected_density, interpolated_modules, mask_overlap,
-                                         total_gated_parameters)
+                                         served_density, total_gated_parameters)
 
     model, tokenizer, config = _load_simoe(run_dir)
     modules = dict((n, m) for n, m in model.named_modules() if m in interpolated_modules(model))
@@ -158,10 +190,11 @@ def inspect_simoe(run_dir: Path, *eval_files: Path) -> dict:
         for name, module in modules.items():
             layer, kind = _module_kind(name)
             density.setdefault(kind, {})[layer] = float(
-                module.gated.prob_nonzero(module.mask_logits).mean())
+                module.gated.served_nonzero(module.mask_logits).mean())
         total = total_gated_parameters(list(modules.values()))
-        per_expert = expected_density(list(modules.values()), total)
-        overlap = mask_overlap(list(modules.values()), total)
+        per_expert = served_density(list(modules.values()), total)
+        expected = expected_density(list(modules.values()), total)
+        overlap = mask_overlap(list(modules.values()), total, served=True)
         coefficients: dict[str, list] = {}
         for path in eval_files:
             for record in read_records(path):
@@ -169,7 +202,7 @@ def inspect_simoe(run_dir: Path, *eval_files: Path) -> dict:
                 a = model.route(tokens, torch.ones_like(tokens, dtype=torch.bool))[0]
                 coefficients.setdefault(record.task, []).append(a)
     return {"density_by_module": density, "density_per_expert": per_expert.tolist(),
-            "overlap": overlap.tolist(),
+            "expected_density_per_expert": expected.tolist(), "overlap": overlap.tolist(),
             "coefficients": {task: torch.stack(v).mean(0).tolist()
                              for task, v in sorted(coefficients.items())},
             "target_density": 1.0 - config.finetune.simoe.get("target_sparsity", 0.75),
@@ -208,60 +241,92 @@ def _total_variation(vectors: list[list[float]]) -> float:
     return sum(0.5 * sum(abs(x - y) for x, y in zip(a, b)) for a, b in pairs) / max(len(pairs), 1)
 
 
-def summarise(arms: dict, masks: dict, seed_seconds: float, rank: int, quick: bool) -> dict:
+def table_rows(arms: dict) -> dict:
+    """Per method: exact match (seen, unseen, per family), parameters and wall seconds."""
     rows = {}
-    dense_total = None
     for name, (last, stdout, seconds) in arms.items():
         trainable, total = parameter_counts(stdout)
         rows[name] = {"seen": last["eval/eval_seen/all"], "unseen": last["eval/eval_unseen/all"],
                       "trainable": trainable, "stored": total, "seconds": round(seconds),
                       "per_family": {k.split("/", 2)[2]: v for k, v in last.items()
                                      if k.startswith("eval/") and not k.endswith("/all")}}
-        if name == "full":
-            dense_total = total
     for name in ("full", "lora", "simoe"):  # served as one dense model per sequence
-        rows[name]["active"] = dense_total
+        rows[name]["active"] = rows["full"]["stored"]
     experts = _moe_expert_parameters(INSTRUCT_CONFIG)
     moe = rows["sparse_upcycling"]
     moe["active"] = moe["stored"] - experts + experts * MOE["topk"] // MOE["experts"]
-    density = masks["density_per_expert"]
-    mean_density = sum(density) / len(density)
-    overlap = _pairwise_mean(masks["overlap"])
-    independent = _pairwise_mean([[a * b for b in density] for a in density])
-    spread = _total_variation(list(masks["coefficients"].values()))
+    return rows
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def summarise(replicates: list[dict], quick: bool, steps: int) -> dict:
+    """The mean over seeds of each method's exact match (each seed's beside it) and of each
+    mask statistic; the claims are judged on the means."""
+    first = replicates[0]
+    rows = {name: {**row, **{key: _mean([r["rows"][name][key] for r in replicates])
+                            for key in ("seen", "unseen", "seconds")},
+                   "seen_per_seed": [r["rows"][name]["seen"] for r in replicates],
+                   "unseen_per_seed": [r["rows"][name]["unseen"] for r in replicates]}
+            for name, row in first["rows"].items()}
+    masks = [r["masks"] for r in replicates]
+    mean_density = _mean([_mean(m["density_per_expert"]) for m in masks])
+    expected_density = _mean([_mean(m["expected_density_per_expert"]) for m in masks])
+    overlap = _mean([_pairwise_mean(m["overlap"]) for m in masks])
+    independent = _mean([_pairwise_mean([[a * b for b in m["density_per_expert"]]
+                                         for a in m["density_per_expert"]]) for m in masks])
+    spread = _mean([_total_variation(list(m["coefficients"].values())) for m in masks])
+    target = first["masks"]["target_density"]
+    simoe, full, lora, moe = (rows[k] for k in ("simoe", "full", "lora", "sparse_upcycling"))
     claims = [
         ("SIMoE generalises to unseen task families at least as well as full fine-tuning",
-         rows["simoe"]["unseen"] >= rows["full"]["unseen"],
-         f"unseen exact match {rows['simoe']['unseen']:.3f} vs {rows['full']['unseen']:.3f}"),
+         simoe["unseen"] >= full["unseen"],
+         f"unseen exact match {simoe['unseen']:.3f} vs {full['unseen']:.3f}"),
+        ("SIMoE beats LoRA with as many trainable parameters on the seen task families",
+         simoe["seen"] > lora["seen"],
+         f"seen exact match {simoe['seen']:.3f} vs {lora['seen']:.3f}"),
         ("SIMoE's masks reach the target sparsity (density within 0.02 of the target)",
-         abs(mean_density - masks["target_density"]) <= 0.02,
-         f"mean expected density {mean_density:.3f}, target {masks['target_density']:.3f}"),
+         abs(mean_density - target) <= 0.02,
+         f"mean served density {mean_density:.3f} (expected L0 {expected_density:.3f}), "
+         f"target {target:.3f}"),
         ("different task families get different merging coefficients",
          spread >= 0.05, f"mean pairwise total-variation distance {spread:.3f} (bar 0.05)"),
         ("the experts' masks overlap less than independent masks of their density",
          overlap < independent,
          f"mean pairwise overlap {overlap:.3f} vs {independent:.3f} if independent"),
         ("SIMoE serves with fewer parameters than the 4-expert top-2 upcycled MoE",
-         rows["simoe"]["active"] < moe["active"],
-         f"{rows['simoe']['active']:,} vs {moe['active']:,} active "
-         f"({1 - rows['simoe']['active'] / moe['active']:.0%} fewer; paper: about 30%)"),
+         simoe["active"] < moe["active"],
+         f"{simoe['active']:,} vs {moe['active']:,} active "
+         f"({1 - simoe['active'] / moe['active']:.0%} fewer; paper: about 30%)"),
     ]
-    return {"quick": quick, "seed_seconds": round(seed_seconds), "lora_rank": rank,
-            "rows": rows, "masks": masks,
+    return {"quick": quick, "seeds": len(replicates), "tune_steps": steps,
+            "seed_seconds": round(_mean([r["seed_seconds"] for r in replicates])),
+            "lora_rank": first["lora_rank"], "rows": rows, "masks": first["masks"],
+            "masks_per_seed": masks,
             "claims": [{"claim": c, "held": bool(h), "evidence": e} for c, h, e in claims]}
 
 
 def markdown(result: dict) -> str:
     lines = ["# SIMoE study (tools/study_simoe.py)", "",
-             f"Dense seed pretrained in {result['seed_seconds']} s; LoRA rank "
-             f"{result['lora_rank']} matches SIMoE's delta. Exact match on held-out examples of "
-             "the seen task families and on the unseen families."
-             + (" QUICK MODE: pipeline check only." if result["quick"] else ""), "",
-             "| method | seen | unseen | trainable | active at inference | stored | wall s |",
+             f"{result['seeds']} seed(s), each with its own task set, dense seed model "
+             f"(pretrained in {result['seed_seconds']} s) and tuning order; every method tunes "
+             f"{result['tune_steps']} steps. LoRA rank {result['lora_rank']} matches SIMoE's "
+             "delta. Exact match on held-out examples of the seen task families and on the "
+             "unseen families: the mean over seeds, each seed's in brackets; the masks' figures "
+             "are those served." + (" QUICK MODE: pipeline check only." if result["quick"] else ""),
+             "", "| method | seen | unseen | trainable | active at inference | stored | wall s |",
              "|---|---|---|---|---|---|---|"]
+
+    def cell(r: dict, key: str) -> str:
+        seeds = ", ".join(f"{v:.3f}" for v in r[f"{key}_per_seed"])
+        return f"{r[key]:.3f} ({seeds})"
+
     for name, r in result["rows"].items():
-        lines.append(f"| {name} | {r['seen']:.3f} | {r['unseen']:.3f} | {r['trainable']:,} | "
-                     f"{r['active']:,} | {r['stored']:,} | {r['seconds']} |")
+        lines.append(f"| {name} | {cell(r, 'seen')} | {cell(r, 'unseen')} | "
+                     f"{r['trainable']:,} | {r['active']:,} | {r['stored']:,} | "
+                     f"{round(r['seconds'])} |")
     lines += ["", "## Claims", ""]
     lines += [f"- {'HELD' if c['held'] else 'NOT HELD'}: {c['claim']} ({c['evidence']})"
               for c in result["claims"]]
@@ -282,7 +347,7 @@ def plots(result: dict, out: Path) -> None:
                     key=lambda x: (x == "final", x))
     grid = [[masks["density_by_module"][k].get(layer, float("nan")) for layer in layers]
             for k in kinds]
-    panels = [("mask_density.png", grid, layers, kinds, "expected mask density (layer x module)"),
+    panels = [("mask_density.png", grid, layers, kinds, "served mask density (layer x module)"),
               ("mask_overlap.png", masks["overlap"], range(len(masks["overlap"])),
                range(len(masks["overlap"])), "shared fraction of the delta (expert x expert)"),
               ("router_coefficients.png", list(masks["coefficients"].values()),

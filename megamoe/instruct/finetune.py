@@ -130,15 +130,17 @@ class SIMoEFinetuning(_DenseAdapter):
 
     def build_model(self, config: TrainConfig, tc: TransformerConfig, vocab_size: int
                     ) -> list[torch.nn.Module]:
-        return [SIMoEGPTModel(tc, SIMoEConfig(**config.finetune.simoe),
+        simoe = SIMoEConfig(**config.finetune.simoe)
+        anneal_steps = simoe.router_anneal_steps or config.training.train_steps
+        return [SIMoEGPTModel(tc, dataclasses.replace(simoe, router_anneal_steps=anneal_steps),
                               **_gpt_settings(config, vocab_size))]
 
     def is_own_state(self, key: str) -> bool:
         return is_simoe_state(key)
 
     def after_step(self, model: torch.nn.Module) -> dict[str, float]:
-        """SIMoE's dual step on its sparsity Lagrangian; its metrics."""
-        return model.simoe_regularizer.step()
+        """SIMoE's dual step on its sparsity Lagrangian and its router's temperature; metrics."""
+        return model.after_step()
 
 
 def _require(ok: bool, message: str) -> None:

@@ -34,7 +34,8 @@ from torch import nn
 
 from megamoe.errors import ConfigError
 from megamoe.simoe.config import SIMoEConfig
-from megamoe.simoe.hard_concrete import deterministic_gates, prob_nonzero, sample_gates
+from megamoe.simoe.hard_concrete import (clip_log_alpha, deterministic_gates, prob_nonzero,
+                                         sample_gates)
 from megamoe.simoe.merge import MergeState
 
 
@@ -58,7 +59,10 @@ class GatedColumns:
     """The M hard-concrete gates over a parameter's columns (or elements), a part of its module.
 
     The module's parameter `mask_logits` [M, local columns] holds log_alpha / `scale`, so Adam
-    moves log_alpha `simoe.mask_lr_scale` times faster than the delta with one learning rate.
+    moves log_alpha `simoe.mask_lr_scale` times faster than the delta with one learning rate;
+    log_alpha is clipped to +-`simoe.log_alpha_clip`. Training draws the noise u from
+    U(1/2 - `simoe.gate_noise`, 1/2 + `simoe.gate_noise`); the gates served are those at u = 1/2.
+    With `simoe.straight_through` a closed (or fully open) gate still gets the loss's gradient.
     `columns` is the number of gated columns in the whole (unsplit) parameter and `shard` the
     local ones. `rows` is how many parameters of the whole model one local gate covers: the
     column's rows on every tensor-parallel rank when the gates are replicated (column-parallel),
@@ -68,6 +72,8 @@ class GatedColumns:
     def __init__(self, module: nn.Module, simoe: SIMoEConfig, columns: int, shard: slice,
                  rows: int, like: torch.Tensor) -> None:
         self.scale = simoe.mask_lr_scale
+        self.clip, self.noise = simoe.log_alpha_clip, simoe.gate_noise
+        self.straight_through = simoe.straight_through
         module.mask_logits = nn.Parameter(replicated_randn(
             (simoe.num_experts, columns), simoe.log_alpha_init_std / self.scale, shard, like))
         self.columns, self.shard, self.rows = columns, shard, rows
@@ -75,19 +81,24 @@ class GatedColumns:
         """Parameters these (local) gates cover, counted as `rows` says."""
 
     def log_alpha(self, mask_logits_MI: torch.Tensor) -> torch.Tensor:
-        return mask_logits_MI * self.scale
+        return clip_log_alpha(mask_logits_MI * self.scale, self.clip)
 
     def gates(self, mask_logits_MI: torch.Tensor, training: bool) -> torch.Tensor:
         log_alpha_MI = self.log_alpha(mask_logits_MI)
         if not training:
             return deterministic_gates(log_alpha_MI)
-        noise_MI = torch.rand((log_alpha_MI.shape[0], self.columns),
-                              device=log_alpha_MI.device)[:, self.shard]
-        return sample_gates(log_alpha_MI, noise_MI.to(log_alpha_MI.dtype))
+        uniform_MI = torch.rand((log_alpha_MI.shape[0], self.columns),
+                                device=log_alpha_MI.device)[:, self.shard]
+        noise_MI = 0.5 + (2.0 * uniform_MI - 1.0) * self.noise
+        return sample_gates(log_alpha_MI, noise_MI.to(log_alpha_MI.dtype), self.straight_through)
 
     def prob_nonzero(self, mask_logits_MI: torch.Tensor) -> torch.Tensor:
-        """P(z != 0) per gate, [M, I] (the expected L0 of each gated column)."""
+        """P(z != 0) per gate under U(0, 1) noise, [M, I] (the expected L0 of each column)."""
         return prob_nonzero(self.log_alpha(mask_logits_MI.float()))
+
+    def served_nonzero(self, mask_logits_MI: torch.Tensor) -> torch.Tensor:
+        """1 where the served gate is non-zero, else 0, [M, I]."""
+        return (deterministic_gates(self.log_alpha(mask_logits_MI.float())) > 0).float()
 
 
 def column_scales(coefficients_BM: torch.Tensor, gates_MI: torch.Tensor, dtype: torch.dtype
@@ -121,6 +132,8 @@ class _InterpolatedLinear:
 
     def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 - Megatron's names
         frozen = super()._forward_impl(input, weight, *args, **kwargs)
+        if self.merge.seed_only:
+            return frozen
         coefficients_BM = self.merge.require()
         if self._split_columns:
             # Every rank's columns read a_BM: its gradient is the sum over the TP group.
@@ -195,8 +208,10 @@ class InterpolatedNorm(nn.Module):
             normed_SBH = torch.nn.functional.rms_norm(x_SBH, shape, None, self.eps)
         else:
             normed_SBH = torch.nn.functional.layer_norm(x_SBH, shape, None, None, self.eps)
-        gates_MH = self.gated.gates(self.mask_logits, self.training)
-        scales_BH = column_scales(self.merge.require(), gates_MH, x_SBH.dtype)
-        scale_BH = self.weight + scales_BH * self.delta_weight
+        scale_BH = self.weight
+        if not self.merge.seed_only:
+            gates_MH = self.gated.gates(self.mask_logits, self.training)
+            scales_BH = column_scales(self.merge.require(), gates_MH, x_SBH.dtype)
+            scale_BH = self.weight + scales_BH * self.delta_weight
         out_SBH = normed_SBH * scale_BH
         return out_SBH if self.bias is None else out_SBH + self.bias

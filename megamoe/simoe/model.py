@@ -5,11 +5,13 @@ checkpoints see the model they know, under the same parameter names as the dense
 Megatron's local layer spec with every QKV, attention-output, fc1 and fc2 linear and every norm
 (the final one included) replaced by its interpolated form (`megamoe.simoe.interpolated`).
 Embeddings and the output layer stay frozen seed weights. Before each forward the prompt router
-sets the per-sequence merging coefficients (SIMoE, arXiv 2506.12597). In training, the mask
+sets the per-sequence merging coefficients (SIMoE, arXiv 2506.12597) from the prompt's features:
+by default the seed model's own final hidden states, from a forward pass of the frozen seed
+(no gradient, no dropout), as SMAT's router reads its backbone's features. In training, the mask
 regulariser (`penalties.MaskRegularizer`: sparsity Lagrangian + overlap) joins the loss through
 Megatron's `MoEAuxLossAutoScaler`, as Megatron's own auxiliary losses do, so each optimizer step
-counts it once whatever the number of micro-batches; `simoe_regularizer.step()` is the dual step
-after each optimizer step.
+counts it once whatever the number of micro-batches; `after_step()` follows each optimizer step
+(the Lagrangian's dual step, the router's temperature schedule).
 
 Sequence parallelism is refused: the router pools the whole prompt, and the replicated gates would
 need the layernorm-style gradient all-reduce Megatron gives only to norm weights.
@@ -27,13 +29,14 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from megamoe.errors import ConfigError
 from megamoe.megatron.linear_specs import local_block_spec_with
+from megamoe.megatron.masks import attention_mask_for
 from megamoe.simoe.config import SIMoEConfig
 from megamoe.simoe.interpolated import (
     InterpolatedColumnParallelLinear,
     InterpolatedNorm,
     InterpolatedRowParallelLinear,
 )
-from megamoe.simoe.merge import MergeState, PromptRouter
+from megamoe.simoe.merge import MergeState, PromptRouter, pool_prompt
 from megamoe.simoe.penalties import MaskRegularizer
 
 TRAINABLE_SUFFIXES = ("delta_weight", "mask_logits")
@@ -69,18 +72,62 @@ class SIMoEGPTModel(GPTModel):
                          transformer_layer_spec=simoe_block_spec(config, merge, simoe),
                          vocab_size=vocab_size, max_sequence_length=max_sequence_length,
                          **gpt_kwargs)
+        if simoe.router_input == "hidden" and not (self.pre_process and self.post_process):
+            raise ConfigError("SIMoE's router reads the seed's final hidden states, which needs "
+                              "the whole model on one pipeline stage: set parallel.pipeline=1 "
+                              "or finetune.simoe.router_input=embeddings")
         self.merge = merge
+        self.router_input = simoe.router_input
         if self.pre_process:
-            self.simoe_router = PromptRouter(config.hidden_size, simoe.num_experts,
-                                             config.init_method_std)
+            self.simoe_router = PromptRouter(config.hidden_size, simoe, simoe.router_anneal_steps)
         for name, param in self.named_parameters():
             param.requires_grad_(is_simoe_state(name))
         self.simoe_regularizer = MaskRegularizer(self, simoe)
 
-    def route(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-        """a_BM from the prompt tokens' input embeddings (what the router reads)."""
-        embeddings_BSH = self.embedding.word_embeddings(input_ids)
-        return self.simoe_router(embeddings_BSH, prompt_mask)
+    @torch.no_grad()
+    def seed_hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                           attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """[B, S, H]: the frozen seed model's final hidden states (after the final norm), in
+        inference mode (no dropout, no gate noise)."""
+        captured = []
+
+        def keep(_module, _inputs, output):
+            captured.append(output[0] if isinstance(output, tuple) else output)
+
+        hook = self.decoder.register_forward_hook(keep)
+        was_training = self.training
+        self.train(False)
+        try:
+            with self.merge.seed_pass():
+                GPTModel.forward(self, input_ids, position_ids, attention_mask)
+        finally:
+            hook.remove()
+            self.train(was_training)
+        return captured[0].transpose(0, 1)
+
+    def route(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor,
+              position_ids: Optional[torch.Tensor] = None,
+              attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """a_BM from the prompt tokens' features (`simoe.router_input`). Without positions and
+        mask: 0..S-1 and the causal mask."""
+        if self.router_input == "embeddings":
+            features_BSH = self.embedding.word_embeddings(input_ids)
+        else:
+            length = input_ids.shape[1]
+            if position_ids is None:
+                position_ids = torch.arange(length, device=input_ids.device).expand_as(input_ids)
+                attention_mask = attention_mask_for(length, input_ids.is_cuda)
+            features_BSH = self.seed_hidden_states(input_ids, position_ids, attention_mask)
+        return self.simoe_router(pool_prompt(features_BSH, prompt_mask))
+
+    def after_step(self) -> dict[str, float]:
+        """After each optimizer step: the Lagrangian's dual step and the router's temperature
+        schedule; their metrics."""
+        metrics = self.simoe_regularizer.step()
+        if self.pre_process:
+            self.simoe_router.advance()
+            metrics["simoe/router_temperature"] = self.simoe_router.temperature()
+        return metrics
 
     def forward(self, input_ids, position_ids, attention_mask, *args,
                 prompt_mask: Optional[torch.Tensor] = None,
@@ -90,7 +137,7 @@ class SIMoEGPTModel(GPTModel):
         if coefficients is None:
             if prompt_mask is None:
                 raise ValueError("SIMoEGPTModel.forward needs prompt_mask (or coefficients)")
-            coefficients = self.route(input_ids, prompt_mask)
+            coefficients = self.route(input_ids, prompt_mask, position_ids, attention_mask)
         self.merge.coefficients_BM = coefficients
         output = super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
         if self.training and torch.is_grad_enabled():

@@ -34,6 +34,6 @@ def test_quick_study_runs_every_method_and_counts_parameters(corpus_cache, tmp_p
     assert rows["full"]["trainable"] == rows["full"]["stored"] == rows["simoe"]["active"]
     experts = layers * 4 * 3 * h * f
     assert rows["sparse_upcycling"]["active"] == rows["sparse_upcycling"]["stored"] - experts // 2
-    assert len(result["claims"]) == 5
+    assert len(result["claims"]) == 6 and result["seeds"] == 1
     assert all(line in done.stdout for line in
                (("HELD: " if c["held"] else "NOT HELD: ") + c["claim"] for c in result["claims"]))

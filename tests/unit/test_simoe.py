@@ -9,11 +9,12 @@ from megamoe.megatron.masks import causal_attention_mask
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 from megamoe.megatron.specs import get_gpt_layer_local_spec
 from megamoe.simoe.config import SIMoEConfig
+from megamoe.simoe.hard_concrete import clip_log_alpha, deterministic_gates, sample_gates
 from megamoe.simoe.inference import inference_parameters, merged_dense_state_dict
 from megamoe.simoe.interpolated import GatedColumns
 from megamoe.simoe.model import SIMoEGPTModel, is_simoe_state
 from megamoe.simoe.penalties import (SparsityLagrangian, expected_density, interpolated_modules,
-                                     total_gated_parameters)
+                                     served_density, total_gated_parameters)
 
 VOCAB, SEQ, BATCH = 64, 12, 4
 
@@ -127,9 +128,9 @@ def test_lagrangian_drives_expected_sparsity_to_the_target():
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        lagrangian.step(expected_density([toy], total))
-    final = expected_density([toy], total).detach()
-    assert (final - 0.25).abs().max() < 0.02, final  # it starts at 0.82
+        lagrangian.step(served_density([toy], total))
+    final = served_density([toy], total)
+    assert (final - 0.25).abs().max() < 0.02, final  # it starts at 1.0
 
 
 def test_merged_dense_model_serves_each_sequence_as_simoe_does(megatron):
@@ -177,3 +178,86 @@ def test_lora_is_the_dense_model_plus_its_low_rank_update(megatron):
     assert trainable == 3 * sum(sum(m.lora_a.shape[1:]) + m.lora_b.shape[0]
                                 for m in lora.modules() if hasattr(m, "lora_a"))
     assert rank_matching(dense, trainable) == 3
+
+
+def test_the_model_served_is_the_model_trained(megatron):
+    """SMAT's nearly deterministic gate noise: with the same merging coefficients, training mode
+    and inference mode compute the same function (the old U(0, 1) noise did not)."""
+    _, model = dense_and_simoe(SIMoEConfig(num_experts=3))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("delta_weight", "mask_logits")):
+                param.normal_(0.0, 0.3)
+    coefficients = torch.softmax(torch.randn(BATCH, 3), dim=-1)
+    tokens, _, _ = batch(2)
+    outputs = {}
+    for training in (True, False):
+        model.train(training)
+        with torch.no_grad():
+            outputs[training] = logits(model, tokens, coefficients=coefficients)
+    assert (outputs[True] - outputs[False]).abs().max() < 1e-4
+    assert (outputs[True] - logits(dense_and_simoe(SIMoEConfig(num_experts=3))[0], tokens)
+            ).abs().max() > 1e-2  # the deltas do change the model
+
+
+def test_log_alpha_clip_is_a_wall_not_a_trap():
+    bound = 4.6
+    x = torch.tensor([-6.0, -6.0, 0.5, 6.0, 6.0], requires_grad=True)
+    clipped = clip_log_alpha(x, bound)
+    assert clipped.tolist() == pytest.approx([-4.6, -4.6, 0.5, 4.6, 4.6])
+    upstream = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0])
+    clipped.backward(upstream)
+    # Descent moves x by -grad: kept where that heads back inside (or x is inside).
+    assert x.grad.tolist() == [0.0, -1.0, 1.0, 1.0, 0.0]
+
+
+def test_straight_through_gates_keep_values_and_give_closed_gates_a_gradient():
+    log_alpha = torch.tensor([-4.0, 0.0, 4.0], requires_grad=True)
+    half = torch.full((3,), 0.5)
+    hard = sample_gates(log_alpha, half)
+    straight = sample_gates(log_alpha, half, straight_through=True)
+    assert torch.allclose(hard, straight, atol=1e-7)
+    assert hard.tolist() == [0.0, pytest.approx(0.5), 1.0]
+    assert torch.equal(hard, deterministic_gates(log_alpha))  # served == trained at u = 1/2
+    straight.sum().backward()
+    s = torch.sigmoid(log_alpha.detach() / (2 / 3))
+    assert torch.allclose(log_alpha.grad, 1.2 * s * (1 - s) / (2 / 3))  # d stretch / d log_alpha
+    assert (log_alpha.grad > 0).all()
+
+
+def test_router_reads_the_seeds_hidden_states_and_anneals(megatron):
+    """a = s / sum(s), s_m = sigmoid(k_m . mean prompt hidden state / T), against the dense
+    seed's own final hidden states; T falls linearly from 5 to 0.5."""
+    simoe = SIMoEConfig(num_experts=4, router_anneal_steps=10)
+    dense, model = dense_and_simoe(simoe)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("delta_weight", "mask_logits")):
+                param.normal_(0.0, 0.3)  # the router must read the seed, not the experts
+    tokens, _, prompt_mask = batch(4)
+    hidden = []
+    hook = dense.decoder.register_forward_hook(lambda _m, _i, out: hidden.append(out))
+    with torch.no_grad():
+        logits(dense.eval(), tokens)
+    hook.remove()
+    keys = model.simoe_router.weight.detach() * simoe.router_lr_scale
+    model.eval()
+    for steps, temperature in ((0, 5.0), (4, 3.2), (10, 0.5), (30, 0.5)):
+        model.simoe_router.updates.fill_(steps)
+        with torch.no_grad():
+            got = model.route(tokens, prompt_mask)
+        for b in range(BATCH):
+            pooled = hidden[0][prompt_mask[b], b].mean(dim=0)
+            scores = torch.sigmoid(keys @ pooled / temperature)
+            assert torch.allclose(got[b], scores / scores.sum(), atol=1e-5), (steps, b)
+    assert (got.max(dim=-1).values - got.min(dim=-1).values).min() > 0.05  # prompts differ
+
+
+def test_served_density_counts_the_columns_served():
+    simoe = SIMoEConfig(num_experts=2, mask_lr_scale=1.0)
+    toy = ToyGated(simoe, 10)
+    with torch.no_grad():
+        toy.mask_logits.copy_(torch.linspace(-3, 3, 20).reshape(2, 10))
+    served = deterministic_gates(toy.mask_logits) > 0
+    expected = served.float().mean(dim=1)
+    assert torch.equal(served_density([toy], total_gated_parameters([toy])), expected)

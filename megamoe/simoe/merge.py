@@ -61,16 +61,16 @@ class PromptRouter(nn.Module):
 
     `weight` [M, H] holds the keys divided by `simoe.router_lr_scale` (the router's own learning
     rate, as for the masks); `updates` counts optimizer steps for the temperature schedule
-    (saved with the model, so a resumed run continues it). `anneal_steps` 0: the end
-    temperature throughout."""
+    (saved with the model, so a resumed run continues it). `simoe.router_anneal_steps` 0 here:
+    the end temperature throughout (the trainer resolves 0 to the run's steps)."""
 
-    def __init__(self, hidden_size: int, simoe: SIMoEConfig, anneal_steps: int) -> None:
+    def __init__(self, hidden_size: int, simoe: SIMoEConfig) -> None:
         super().__init__()
         self.lr_scale = simoe.router_lr_scale
         keys_MH = torch.randn(simoe.num_experts, hidden_size) * math.sqrt(2.0 / hidden_size)
         self.weight = nn.Parameter(keys_MH / self.lr_scale)
         self.start_temperature, self.end_temperature = simoe.router_temperature
-        self.anneal_steps = anneal_steps
+        self.anneal_steps = simoe.router_anneal_steps
         self.register_buffer("updates", torch.zeros(1))
 
     def temperature(self) -> float:

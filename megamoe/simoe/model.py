@@ -79,7 +79,7 @@ class SIMoEGPTModel(GPTModel):
         self.merge = merge
         self.router_input = simoe.router_input
         if self.pre_process:
-            self.simoe_router = PromptRouter(config.hidden_size, simoe, simoe.router_anneal_steps)
+            self.simoe_router = PromptRouter(config.hidden_size, simoe)
         for name, param in self.named_parameters():
             param.requires_grad_(is_simoe_state(name))
         self.simoe_regularizer = MaskRegularizer(self, simoe)

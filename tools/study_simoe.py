@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import fmean
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -258,26 +259,22 @@ def table_rows(arms: dict) -> dict:
     return rows
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-
-
 def summarise(replicates: list[dict], quick: bool, steps: int) -> dict:
     """The mean over seeds of each method's exact match (each seed's beside it) and of each
     mask statistic; the claims are judged on the means."""
     first = replicates[0]
-    rows = {name: {**row, **{key: _mean([r["rows"][name][key] for r in replicates])
+    rows = {name: {**row, **{key: fmean([r["rows"][name][key] for r in replicates])
                             for key in ("seen", "unseen", "seconds")},
                    "seen_per_seed": [r["rows"][name]["seen"] for r in replicates],
                    "unseen_per_seed": [r["rows"][name]["unseen"] for r in replicates]}
             for name, row in first["rows"].items()}
     masks = [r["masks"] for r in replicates]
-    mean_density = _mean([_mean(m["density_per_expert"]) for m in masks])
-    expected_density = _mean([_mean(m["expected_density_per_expert"]) for m in masks])
-    overlap = _mean([_pairwise_mean(m["overlap"]) for m in masks])
-    independent = _mean([_pairwise_mean([[a * b for b in m["density_per_expert"]]
+    mean_density = fmean([fmean(m["density_per_expert"]) for m in masks])
+    expected_density = fmean([fmean(m["expected_density_per_expert"]) for m in masks])
+    overlap = fmean([_pairwise_mean(m["overlap"]) for m in masks])
+    independent = fmean([_pairwise_mean([[a * b for b in m["density_per_expert"]]
                                          for a in m["density_per_expert"]]) for m in masks])
-    spread = _mean([_total_variation(list(m["coefficients"].values())) for m in masks])
+    spread = fmean([_total_variation(list(m["coefficients"].values())) for m in masks])
     target = first["masks"]["target_density"]
     simoe, full, lora, moe = (rows[k] for k in ("simoe", "full", "lora", "sparse_upcycling"))
     claims = [
@@ -302,7 +299,7 @@ def summarise(replicates: list[dict], quick: bool, steps: int) -> dict:
          f"({1 - simoe['active'] / moe['active']:.0%} fewer; paper: about 30%)"),
     ]
     return {"quick": quick, "seeds": len(replicates), "tune_steps": steps,
-            "seed_seconds": round(_mean([r["seed_seconds"] for r in replicates])),
+            "seed_seconds": round(fmean([r["seed_seconds"] for r in replicates])),
             "lora_rank": first["lora_rank"], "rows": rows, "masks": first["masks"],
             "masks_per_seed": masks,
             "claims": [{"claim": c, "held": bool(h), "evidence": e} for c, h, e in claims]}

@@ -89,6 +89,8 @@ class MoELayer(nn.Module):
             # Metrics hold each loss over the token group (this rank's share times its size).
             self.router.record(routing, {k: v * self.token_comm.size for k, v in losses.items()})
             self.report(routing, losses)
+        elif not self.training and self.router.inference_tally is not None:
+            self.router.inference_tally.record(routing.selected_TE, S, B)
         # On CUDA the shared expert runs on a side stream, overlapping the dispatch.
         shared_TD = (start_on_side_stream(self.shared_experts, x_TD)
                      if self.shared_experts is not None else None)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from megamoe.balancing.inference import InferenceTally
 from megamoe.balancing.tracker import LoadTracker
 from megamoe.config import MoEConfig
 from megamoe.parallel.comm import Comm, SingleComm
@@ -82,6 +83,8 @@ class Router(nn.Module):
             self.register_buffer("adaptive_aux_coeff", torch.tensor(
                 [cfg.balance_loss_coeffs.get("adaptive_aux_loss", 0.0)], dtype=torch.float32))
         self.load = LoadTracker(E)
+        # Set inside `megamoe.balancing.inference.tallying_inference_routing` only.
+        self.inference_tally: Optional[InferenceTally] = None
         self.layer_number: Optional[int] = None
         self.group_comm: Comm = SingleComm()
 

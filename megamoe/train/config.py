@@ -286,7 +286,8 @@ class EvaluationConfig:
     """Held-out loss (megamoe.train.evaluate) on the valid split of `data.split`."""
 
     interval: int = 0
-    """Evaluate every this many steps and at the end (metrics key `heldout_loss`); 0: never."""
+    """Evaluate every this many steps and at the end (metrics `heldout_loss` and each MoE layer's
+    routing at inference, `heldout/layer{n}/...`; megamoe.train.evaluate); 0: never."""
     batches: int = 4
     """Global batches of the valid split evaluated each time (the same ones every time)."""
 

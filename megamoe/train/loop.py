@@ -255,10 +255,11 @@ def _train(run: _Run, stop: StopRequest) -> None:
         if config.parallel.pipeline > 1:
             moe_metrics = _gather_pipeline_metrics(moe_metrics, run.pgs.pp)
         elapsed = time.perf_counter() - start
-        if heldout is not None and heldout.due(step):
-            moe_metrics["heldout_loss"] = heldout(run.model)
-        if run.evaluation is not None and run.evaluation.due(step):
-            moe_metrics.update(run.evaluation(run.model))
+        with engine.device_context():  # tensor-parallel collectives of Megatron on the CPU
+            if heldout is not None and heldout.due(step):
+                moe_metrics.update(heldout(run.model))
+            if run.evaluation is not None and run.evaluation.due(step):
+                moe_metrics.update(run.evaluation(run.model))
         logger.log(step, {"loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                           "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
                           "consumed_samples": state.consumed_samples, **moe_metrics})

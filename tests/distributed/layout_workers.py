@@ -6,7 +6,9 @@ trainer (`megamoe.train.loop`) at one or more parallel layouts, one after the ot
 processes (megatron.core is imported once per process). Every run starts from the seed alone (no `checkpoint.init_from`): the initial
 weights are layout-invariant, so a layout changes nothing but how the work is split.
 
-A run's result: the per-step losses and gradient norms of metrics.jsonl, and every rank's
+A run's result: the per-step losses and gradient norms of metrics.jsonl, the held-out
+evaluation of its last step (layouts without pipelining: loss and routing at inference), and
+every rank's
 expert biases ("layer N", global and 1-based -> tensor) at the end. Its checkpoints (at the end, and at RESUME_AT for
 the runs resumes start from) stay in its output folder, where the single-process job later
 loads the final weights of every layout.
@@ -84,7 +86,10 @@ def config_dict(data: dict, out: str, parallel: dict, training: dict = None,
     raw = json.loads(json.dumps(BASE))
     raw["output_dir"] = out
     raw["data"] = dict(data)
+    raw["data"]["split"] = "90,10,0"
     raw["parallel"] = dict(parallel)
+    if parallel.get("pipeline", 1) == 1:  # held-out evaluation runs without pipelining
+        raw["evaluation"] = {"interval": STEPS, "batches": 1}
     raw["training"].update(training or {})
     for name, settings in (sections or {}).items():
         raw[name].update(settings)
@@ -131,7 +136,8 @@ def train(raw: dict) -> dict:
                    (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in records if "loss" in r and "event" not in r]
         result.update(steps=[r["step"] for r in steps], losses=[r["loss"] for r in steps],
-                      grad_norms=[r["grad_norm"] for r in steps])
+                      grad_norms=[r["grad_norm"] for r in steps],
+                      heldout={k: v for k, v in steps[-1].items() if k.startswith("heldout")})
     return result
 
 

@@ -2,7 +2,8 @@
 trainer (Megatron-Core DDP, distributed optimizer, pipeline schedules, finalize_model_grads),
 every run starting from nothing but the same seed (the initial weights are layout-invariant):
 per-step losses and gradient norms, final weights and expert biases within 1e-4 (fp32), expert
-biases identical on every rank. Checkpoints saved at one layout resume at another (TP 2->1,
+biases identical on every rank, and (without pipelining) the held-out evaluation's loss and
+routing. Checkpoints saved at one layout resume at another (TP 2->1,
 PP 2->1->2, EP 2->4, TP2xPP2xEP2 -> one process) with the losses of an uninterrupted run at the
 new layout. Full and selective activation recomputation give the same gradients (norms), weights
 and biases (each token counted once). The model's MLA variant (multi-head latent attention)
@@ -181,6 +182,22 @@ def test_layout_trains_as_one_process(everything, name):
     assert weight_diff <= TOL, f"{worst}: {weight_diff}"
     assert any(k.endswith("expert_bias") for k in weight_diffs)
     _check_biases_replicated(ranks, name)
+    _check_heldout(got["heldout"], reference["heldout"], name)
+
+
+def _check_heldout(got: dict, reference: dict, name: str) -> None:
+    """The end-of-run held-out evaluation (eval mode, on the CPU collectives of the layout) as
+    one process's: the loss, and each MoE layer's experts per token; pipelined layouts do not
+    evaluate, sequence-parallel ones cannot pair a token's routing with its loss."""
+    parallel = {**lw.LAYOUTS, **lw.MLA_LAYOUTS}.get(name, (1, {}))[1]
+    if parallel.get("pipeline", 1) > 1:
+        assert got == {}, name
+        return
+    routing = {k for k in reference if k.endswith("/experts_per_token")}
+    assert len(routing) == 3, sorted(reference)  # layers 2-4
+    assert abs(got["heldout_loss"] - reference["heldout_loss"]) <= TOL
+    assert {k: got[k] for k in routing} == {k: reference[k] for k in routing}
+    assert ("heldout/layer2/loss_by_experts" in got) == (parallel.get("tensor", 1) == 1)
 
 
 @pytest.mark.parametrize("name", [n for n in lw.RANDOM_LAYOUTS if n != "random_reference"])

@@ -113,11 +113,19 @@ def finished(out: Path, steps: int) -> bool:
 
 
 def train(name: str, base_yaml: Path, runs: Path, quick: bool) -> Path | None:
-    """Train one variant through the public entry point; returns its output folder, or None
-    (and says why) when the run failed."""
-    out = runs / name
-    overrides = [f"output_dir={out}", *VARIANTS[name][1], *(QUICK if quick else [])]
+    """Train one variant of this study (`train_run`)."""
     steps = 3 if quick else BASE_CONFIG["training"]["train_steps"]
+    return train_run(name, [*VARIANTS[name][1], *(QUICK if quick else [])], base_yaml, runs,
+                     steps)
+
+
+def train_run(name: str, overrides: list[str], base_yaml: Path, runs: Path,
+              steps: int) -> Path | None:
+    """Train `base_yaml` with `overrides` into runs/name through the public entry point (a
+    finished run there is reused); returns its output folder, or None (and says why) when the
+    run failed."""
+    out = runs / name
+    overrides = [f"output_dir={out}", *overrides]
     if finished(out, steps):
         print(f"[{name}] reusing the finished run in {out}", flush=True)
         return out

@@ -69,6 +69,23 @@ class SIMoEConfig:
     """The router's learning rate relative to the delta's (SMAT trains it with its own optimizer);
     applied like `mask_lr_scale`, through the stored scale of its weights."""
 
+    router_logit_penalty: float = 1.0e-4
+    """Coefficient of the router-logit penalty added to the training loss: this times the mean
+    over the batch's sequences and the experts of the squared router logits k_m . f_b (before
+    the temperature and the relaxed-Bernoulli noise). SMAT (Chen et al., ICML 2024; its public
+    code adds 1e-4 x the mean squared selection logit, "for stabilised training") uses it to keep
+    the sigmoid scores from saturating, where an expert at score 0 (or 1) for every prompt no
+    longer hears the loss; 0 turns it off."""
+
+    selection_weighted_sparsity: bool = True
+    """Weight each expert's term of the sparsity Lagrangian, multiplier_m (density_m - target),
+    by that expert's merging coefficient for the batch (a_bm averaged over its sequences, so the
+    weights sum to 1), detached from the router: SMAT (ICML 2024) weights each mask's Lagrangian
+    and expected-L0 terms by the task's selection scores taken from its logs (no gradient to the
+    selector), so the experts the router picks carry their sparsity pressure and the sparsity
+    term never pushes the router away from an expert. False: every expert weighs 1 (the
+    Lagrangian's dual step on the multipliers is unweighted either way)."""
+
     def __post_init__(self) -> None:
         if self.num_experts < 1:
             raise ConfigError(f"simoe.num_experts={self.num_experts} must be at least 1")
@@ -79,7 +96,7 @@ class SIMoEConfig:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"simoe.{name}={getattr(self, name)} must be > 0")
         for name in ("log_alpha_init_std", "lagrangian_lr", "orthogonality_coefficient",
-                     "router_anneal_steps"):
+                     "router_anneal_steps", "router_logit_penalty"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"simoe.{name}={getattr(self, name)} must be >= 0")
         if not 0.0 <= self.gate_noise <= 0.5:

@@ -32,6 +32,8 @@ class MergeState:
 
     def __init__(self) -> None:
         self.coefficients_BM: Optional[torch.Tensor] = None
+        self.router_logits_BM: Optional[torch.Tensor] = None
+        """The router's logits behind `coefficients_BM` (None when the coefficients were given)."""
         self.seed_only = False
 
     def require(self) -> torch.Tensor:
@@ -84,8 +86,16 @@ class PromptRouter(nn.Module):
         """One optimizer step done: the temperature moves on."""
         self.updates += 1
 
-    def forward(self, features_BH: torch.Tensor) -> torch.Tensor:
-        logits_BM = features_BH.float() @ (self.weight.float() * self.lr_scale).t()
+    def logits(self, features_BH: torch.Tensor) -> torch.Tensor:
+        """[B, M]: k_m . f_b, the scores' logits before the temperature and the noise (what
+        `simoe.router_logit_penalty` penalises)."""
+        return features_BH.float() @ (self.weight.float() * self.lr_scale).t()
+
+    def forward(self, features_BH: torch.Tensor, logits_BM: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        """a_BM for pooled features f_BH (`logits_BM`: their `logits`, if already computed)."""
+        if logits_BM is None:
+            logits_BM = self.logits(features_BH)
         if self.training:
             u_BM = torch.rand(logits_BM.shape, device=logits_BM.device).clamp(_EPS, 1.0 - _EPS)
             logits_BM = logits_BM + torch.log(u_BM) - torch.log1p(-u_BM)

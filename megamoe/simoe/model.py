@@ -8,7 +8,8 @@ Embeddings and the output layer stay frozen seed weights. Before each forward th
 sets the per-sequence merging coefficients (SIMoE, arXiv 2506.12597) from the prompt's features:
 by default the seed model's own final hidden states, from a forward pass of the frozen seed
 (no gradient, no dropout), as SMAT's router reads its backbone's features. In training, the mask
-regulariser (`penalties.MaskRegularizer`: sparsity Lagrangian + overlap) joins the loss through
+regulariser (`penalties.MaskRegularizer`: sparsity Lagrangian + overlap) and SMAT's penalty on
+the router's squared logits (`penalties.router_logit_penalty`) join the loss through
 Megatron's `MoEAuxLossAutoScaler`, as Megatron's own auxiliary losses do, so each optimizer step
 counts it once whatever the number of micro-batches; `after_step()` follows each optimizer step
 (the Lagrangian's dual step, the router's temperature schedule).
@@ -37,7 +38,7 @@ from megamoe.simoe.interpolated import (
     InterpolatedRowParallelLinear,
 )
 from megamoe.simoe.merge import MergeState, PromptRouter, pool_prompt
-from megamoe.simoe.penalties import MaskRegularizer
+from megamoe.simoe.penalties import MaskRegularizer, router_logit_penalty
 
 TRAINABLE_SUFFIXES = ("delta_weight", "mask_logits")
 OWN_PREFIXES = ("simoe_router.", "simoe_regularizer.")
@@ -78,6 +79,8 @@ class SIMoEGPTModel(GPTModel):
                               "or finetune.simoe.router_input=embeddings")
         self.merge = merge
         self.router_input = simoe.router_input
+        self.router_logit_penalty = simoe.router_logit_penalty
+        self.selection_weighted_sparsity = simoe.selection_weighted_sparsity
         if self.pre_process:
             self.simoe_router = PromptRouter(config.hidden_size, simoe)
         for name, param in self.named_parameters():
@@ -110,6 +113,13 @@ class SIMoEGPTModel(GPTModel):
               attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """a_BM from the prompt tokens' features (`simoe.router_input`). Without positions and
         mask: 0..S-1 and the causal mask."""
+        return self.route_with_logits(input_ids, prompt_mask, position_ids, attention_mask)[0]
+
+    def route_with_logits(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                          position_ids: Optional[torch.Tensor] = None,
+                          attention_mask: Optional[torch.Tensor] = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a_BM, the router's logits [B, M]), as `route`."""
         if self.router_input == "embeddings":
             features_BSH = self.embedding.word_embeddings(input_ids)
         else:
@@ -118,7 +128,9 @@ class SIMoEGPTModel(GPTModel):
                 position_ids = torch.arange(length, device=input_ids.device).expand_as(input_ids)
                 attention_mask = attention_mask_for(length, input_ids.is_cuda)
             features_BSH = self.seed_hidden_states(input_ids, position_ids, attention_mask)
-        return self.simoe_router(pool_prompt(features_BSH, prompt_mask))
+        pooled_BH = pool_prompt(features_BSH, prompt_mask)
+        logits_BM = self.simoe_router.logits(pooled_BH)
+        return self.simoe_router(pooled_BH, logits_BM), logits_BM
 
     def after_step(self) -> dict[str, float]:
         """After each optimizer step: the Lagrangian's dual step and the router's temperature
@@ -134,12 +146,28 @@ class SIMoEGPTModel(GPTModel):
                 coefficients: Optional[torch.Tensor] = None, **kwargs):
         """As GPTModel.forward; the merge uses `coefficients` [B, M] if given, else the router's
         reading of `prompt_mask` (True on prompt tokens)."""
+        router_logits = None
         if coefficients is None:
             if prompt_mask is None:
                 raise ValueError("SIMoEGPTModel.forward needs prompt_mask (or coefficients)")
-            coefficients = self.route(input_ids, prompt_mask, position_ids, attention_mask)
+            coefficients, router_logits = self.route_with_logits(input_ids, prompt_mask,
+                                                                 position_ids, attention_mask)
         self.merge.coefficients_BM = coefficients
+        self.merge.router_logits_BM = router_logits
         output = super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
         if self.training and torch.is_grad_enabled():
-            output = MoEAuxLossAutoScaler.apply(output, self.simoe_regularizer()[0])
+            output = MoEAuxLossAutoScaler.apply(output, self.auxiliary_loss())
         return output
+
+    def auxiliary_loss(self) -> torch.Tensor:
+        """What this forward adds to the LM loss: the mask regulariser (its sparsity terms
+        weighted by the batch's mean coefficients with `simoe.selection_weighted_sparsity`) plus
+        `simoe.router_logit_penalty` x the mean squared router logit (SMAT's two terms)."""
+        selection_M = None
+        if self.selection_weighted_sparsity:
+            selection_M = self.merge.require().detach().float().mean(dim=0)
+        loss = self.simoe_regularizer(selection_M)[0]
+        logits_BM = self.merge.router_logits_BM
+        if self.router_logit_penalty > 0 and logits_BM is not None:
+            loss = loss + router_logit_penalty(logits_BM, self.router_logit_penalty)
+        return loss

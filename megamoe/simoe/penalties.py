@@ -8,7 +8,8 @@ than the target and reset to 0 once it is sparser (SMAT steps on its sampled mas
 the expected fraction of parameters two experts both keep (under independence, density
 squared); the orthogonality penalty is the mean pairwise cosine similarity of the experts'
 masks (their overlap relative to their sizes), which decorrelates the masks without sparsifying
-them.
+them. As in SMAT, each expert's Lagrangian term can be weighted by the router's (detached)
+selection of it for the batch, and the router's squared logits are penalised.
 
 Every quantity is over the whole model: gates split across the tensor-parallel group (row-parallel
 layers) are summed over it with a forward all-reduce whose backward is the identity, so each rank
@@ -18,7 +19,7 @@ Legend: M experts, I gated columns.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
@@ -96,6 +97,12 @@ def mean_pairwise(overlap_MM: torch.Tensor) -> torch.Tensor:
     return (overlap_MM.sum() - overlap_MM.diagonal().sum()) / (m * (m - 1))
 
 
+def router_logit_penalty(logits_BM: torch.Tensor, coefficient: float) -> torch.Tensor:
+    """coefficient x the mean over sequences and experts of the squared router logits (SMAT,
+    ICML 2024: 1e-4, against saturated selection scores)."""
+    return coefficient * logits_BM.float().pow(2).mean()
+
+
 class SparsityLagrangian(nn.Module):
     """One multiplier per expert pushing its expected density down to 1 - target_sparsity."""
 
@@ -105,8 +112,14 @@ class SparsityLagrangian(nn.Module):
         self.lr = simoe.lagrangian_lr
         self.register_buffer("multipliers", torch.zeros(simoe.num_experts))
 
-    def penalty(self, density_M: torch.Tensor) -> torch.Tensor:
-        return (self.multipliers * (density_M - self.target_density)).sum()
+    def penalty(self, density_M: torch.Tensor, weights_M: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        """sum_m multiplier_m w_m (density_m - target); w_m 1 unless `weights_M` (SMAT: the
+        router's detached selection scores, `simoe.selection_weighted_sparsity`)."""
+        terms_M = self.multipliers * (density_M - self.target_density)
+        if weights_M is not None:
+            terms_M = terms_M * weights_M.detach().to(terms_M)
+        return terms_M.sum()
 
     @torch.no_grad()
     def step(self, density_M: torch.Tensor) -> None:
@@ -128,12 +141,15 @@ class MaskRegularizer(nn.Module):
         self.gated_modules = interpolated_modules(model)  # a plain list: not submodules here
         self.total = total_gated_parameters(self.gated_modules)
 
-    def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss to add to the LM loss, expected density per expert [M])."""
+    def forward(self, selection_M: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss to add to the LM loss, expected density per expert [M]); `selection_M` weighs
+        each expert's Lagrangian term (detached; None: 1 each)."""
         density_M = expected_density(self.gated_modules, self.total)
         similarity = mean_pairwise(cosine_similarity(mask_overlap(self.gated_modules,
                                                                   self.total)))
-        loss = self.lagrangian.penalty(density_M) + self.orthogonality_coefficient * similarity
+        loss = self.lagrangian.penalty(density_M, selection_M) \
+            + self.orthogonality_coefficient * similarity
         return loss, density_M
 
     @torch.no_grad()

@@ -261,3 +261,89 @@ def test_served_density_counts_the_columns_served():
     served = deterministic_gates(toy.mask_logits) > 0
     expected = served.float().mean(dim=1)
     assert torch.equal(served_density([toy], total_gated_parameters([toy])), expected)
+
+
+def _unit_aux_scale():
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+
+
+def test_router_logit_penalty_joins_the_loss_as_smat_writes_it(megatron):
+    """SMAT's 1e-4 x mean squared router logit: its value and its gradient on the router's keys,
+    by hand from the dense seed's final hidden states (the masks' terms are 0 here: multipliers
+    start at 0, no orthogonality weight)."""
+    assert SIMoEConfig().router_logit_penalty == 1.0e-4
+    coefficient = 0.05  # large enough that the gradient stands out of float32 noise
+    simoe = SIMoEConfig(num_experts=3, router_logit_penalty=coefficient,
+                        orthogonality_coefficient=0.0, router_lr_scale=1.0)
+    dense, model = dense_and_simoe(simoe)
+    tokens, _, prompt_mask = batch(7)
+    hidden = []
+    hook = dense.decoder.register_forward_hook(lambda _m, _i, out: hidden.append(out))
+    with torch.no_grad():
+        logits(dense.eval(), tokens)
+    hook.remove()
+    keys = model.simoe_router.weight.detach().clone()
+    pooled = torch.stack([hidden[0][prompt_mask[b], b].mean(dim=0) for b in range(BATCH)])
+    router_logits = pooled @ keys.t()  # [B, M]
+    by_hand = coefficient * sum(float(x) ** 2 for x in router_logits.flatten()) / (BATCH * 3)
+    # d/dk_m of c/(B M) sum_b (k_m . f_b)^2 = 2c/(B M) sum_b (k_m . f_b) f_b
+    grad_by_hand = 2 * coefficient / (BATCH * 3) * router_logits.t() @ pooled
+
+    _unit_aux_scale()
+    model.train()
+    out = logits(model, tokens, prompt_mask=prompt_mask)
+    assert abs(float(model.auxiliary_loss().detach()) - by_hand) < 1e-5 * max(1.0, by_hand)
+    (out * 0.0).sum().backward()  # only the auxiliary loss sends a gradient
+    assert torch.allclose(model.simoe_router.weight.grad, grad_by_hand, atol=1e-6, rtol=1e-4)
+
+    off = SIMoEConfig(num_experts=3, router_logit_penalty=0.0, orthogonality_coefficient=0.0)
+    _, model_off = dense_and_simoe(off)
+    model_off.train()
+    logits(model_off, tokens, prompt_mask=prompt_mask)
+    assert float(model_off.auxiliary_loss().detach()) == 0.0
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_sparsity_lagrangian_is_weighted_by_the_detached_selection(megatron, weighted):
+    """SMAT: sum_m lambda_m s_m (E[density_m] - target), s_m the batch's mean coefficient of
+    expert m, with no gradient to the router. Every gate of expert m at log-alpha v_m, so its
+    expected density is P(z != 0) = sigmoid(v_m - beta log(-gamma / zeta)) by hand."""
+    assert SIMoEConfig().selection_weighted_sparsity is True
+    simoe = SIMoEConfig(num_experts=3, target_sparsity=0.75, mask_lr_scale=1.0,
+                        orthogonality_coefficient=0.0, router_logit_penalty=0.0,
+                        selection_weighted_sparsity=weighted)
+    _, model = dense_and_simoe(simoe)
+    values = [-1.0, 0.5, 2.0]
+    with torch.no_grad():
+        for module in interpolated_modules(model):
+            for m, v in enumerate(values):
+                module.mask_logits[m].fill_(v)
+        model.simoe_regularizer.lagrangian.multipliers.copy_(torch.tensor([0.3, 0.7, 1.1]))
+    import math
+    shift = (2.0 / 3.0) * math.log(0.1 / 1.1)
+    density = [1.0 / (1.0 + math.exp(-(v - shift))) for v in values]
+    coefficients = torch.tensor([[0.6, 0.4, 0.0], [0.2, 0.3, 0.5], [1.0, 0.0, 0.0],
+                                 [0.2, 0.3, 0.5]], requires_grad=True)
+    selection = [sum(float(coefficients[b, m]) for b in range(BATCH)) / BATCH for m in range(3)]
+    weights = selection if weighted else [1.0, 1.0, 1.0]
+    multipliers = [0.3, 0.7, 1.1]
+    by_hand = sum(multipliers[m] * weights[m] * (density[m] - 0.25) for m in range(3))
+
+    _unit_aux_scale()
+    model.train()
+    tokens, _, _ = batch(8)
+    out = logits(model, tokens, coefficients=coefficients)
+    assert abs(float(model.auxiliary_loss().detach()) - by_hand) < 1e-5
+    (out * 0.0).sum().backward()
+    assert torch.count_nonzero(coefficients.grad) == 0  # the selection is detached
+    # d/dv of one gate: lambda_m w_m p_m (1 - p_m) x (parameters it covers / all gated ones)
+    modules = interpolated_modules(model)
+    total = sum(mod.gated.covered_parameters for mod in modules)
+    module = modules[0]
+    for m in range(3):
+        expected = multipliers[m] * weights[m] * density[m] * (1 - density[m]) \
+            * module.gated.rows / total
+        assert torch.allclose(module.mask_logits.grad[m],
+                              torch.full_like(module.mask_logits.grad[m], expected),
+                              rtol=1e-4, atol=1e-9), m

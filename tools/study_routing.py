@@ -367,6 +367,15 @@ def plot(all_records: dict[str, list[dict]], out: Path) -> None:
         save(fig, key)
 
 
+def publish(work: Path, out: Path) -> None:
+    """Put the finished study folder `work` (its runs removed) in place of `out`."""
+    shutil.rmtree(work / "runs", ignore_errors=True)
+    if out.exists():
+        shutil.rmtree(out)
+    work.chmod(0o755)
+    work.rename(out)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(ROOT / "runs" / "study_routing"),
@@ -418,11 +427,7 @@ def main(argv=None) -> int:
              "claims": [{"claim": c, "held": h, "numbers": x} for c, h, x in results]},
             indent=1))
         plot(all_records, work)
-        shutil.rmtree(work / "runs", ignore_errors=True)
-        if out.exists():
-            shutil.rmtree(out)
-        work.chmod(0o755)
-        work.rename(out)
+        publish(work, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for claim, held, numbers in results:

@@ -42,7 +42,7 @@ from pathlib import Path
 import yaml
 
 from study_routing import BASE_CONFIG as ROUTING_BASE
-from study_routing import QUICK, layers_of, read_metrics, series, train_run
+from study_routing import QUICK, layers_of, publish, read_metrics, series, train_run
 
 ROOT = Path(__file__).resolve().parent.parent
 TAIL = 50  # steps averaged for "at the end of training"
@@ -319,11 +319,7 @@ def main(argv=None) -> int:
              "claims": [{"claim": c, "held": h, "numbers": x} for c, h, x in results]},
             indent=1))
         plot(all_records, rows, work)
-        shutil.rmtree(work / "runs", ignore_errors=True)
-        if out.exists():
-            shutil.rmtree(out)
-        work.chmod(0o755)
-        work.rename(out)
+        publish(work, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for claim, held, numbers in results:

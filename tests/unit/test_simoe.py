@@ -235,11 +235,7 @@ def test_router_reads_the_seeds_hidden_states_and_anneals(megatron):
             if name.endswith(("delta_weight", "mask_logits")):
                 param.normal_(0.0, 0.3)  # the router must read the seed, not the experts
     tokens, _, prompt_mask = batch(4)
-    hidden = []
-    hook = dense.decoder.register_forward_hook(lambda _m, _i, out: hidden.append(out))
-    with torch.no_grad():
-        logits(dense.eval(), tokens)
-    hook.remove()
+    hidden_SBH = seed_final_hidden(dense, tokens)
     keys = model.simoe_router.weight.detach() * simoe.router_lr_scale
     model.eval()
     for steps, temperature in ((0, 5.0), (4, 3.2), (10, 0.5), (30, 0.5)):
@@ -247,7 +243,7 @@ def test_router_reads_the_seeds_hidden_states_and_anneals(megatron):
         with torch.no_grad():
             got = model.route(tokens, prompt_mask)
         for b in range(BATCH):
-            pooled = hidden[0][prompt_mask[b], b].mean(dim=0)
+            pooled = hidden_SBH[prompt_mask[b], b].mean(dim=0)
             scores = torch.sigmoid(keys @ pooled / temperature)
             assert torch.allclose(got[b], scores / scores.sum(), atol=1e-5), (steps, b)
     assert (got.max(dim=-1).values - got.min(dim=-1).values).min() > 0.05  # prompts differ
@@ -261,6 +257,16 @@ def test_served_density_counts_the_columns_served():
     served = deterministic_gates(toy.mask_logits) > 0
     expected = served.float().mean(dim=1)
     assert torch.equal(served_density([toy], total_gated_parameters([toy])), expected)
+
+
+def seed_final_hidden(dense, tokens):
+    """The dense seed's final hidden states [S, B, H] for `tokens` (its decoder's output)."""
+    hidden = []
+    hook = dense.decoder.register_forward_hook(lambda _m, _i, out: hidden.append(out))
+    with torch.no_grad():
+        logits(dense.eval(), tokens)
+    hook.remove()
+    return hidden[0]
 
 
 def _unit_aux_scale():
@@ -278,13 +284,9 @@ def test_router_logit_penalty_joins_the_loss_as_smat_writes_it(megatron):
                         orthogonality_coefficient=0.0, router_lr_scale=1.0)
     dense, model = dense_and_simoe(simoe)
     tokens, _, prompt_mask = batch(7)
-    hidden = []
-    hook = dense.decoder.register_forward_hook(lambda _m, _i, out: hidden.append(out))
-    with torch.no_grad():
-        logits(dense.eval(), tokens)
-    hook.remove()
+    hidden_SBH = seed_final_hidden(dense, tokens)
     keys = model.simoe_router.weight.detach().clone()
-    pooled = torch.stack([hidden[0][prompt_mask[b], b].mean(dim=0) for b in range(BATCH)])
+    pooled = torch.stack([hidden_SBH[prompt_mask[b], b].mean(dim=0) for b in range(BATCH)])
     router_logits = pooled @ keys.t()  # [B, M]
     by_hand = coefficient * sum(float(x) ** 2 for x in router_logits.flatten()) / (BATCH * 3)
     # d/dk_m of c/(B M) sum_b (k_m . f_b)^2 = 2c/(B M) sum_b (k_m . f_b) f_b

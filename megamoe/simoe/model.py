@@ -111,8 +111,8 @@ class SIMoEGPTModel(GPTModel):
     def route(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor,
               position_ids: Optional[torch.Tensor] = None,
               attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """a_BM from the prompt tokens' features (`simoe.router_input`). Without positions and
-        mask: 0..S-1 and the causal mask."""
+        """a_BM from the prompt tokens' features (`simoe.router_input`). Positions default to
+        0..S-1, the attention mask to the causal mask."""
         return self.route_with_logits(input_ids, prompt_mask, position_ids, attention_mask)[0]
 
     def route_with_logits(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -126,6 +126,7 @@ class SIMoEGPTModel(GPTModel):
             length = input_ids.shape[1]
             if position_ids is None:
                 position_ids = torch.arange(length, device=input_ids.device).expand_as(input_ids)
+            if attention_mask is None:
                 attention_mask = attention_mask_for(length, input_ids.is_cuda)
             features_BSH = self.seed_hidden_states(input_ids, position_ids, attention_mask)
         pooled_BH = pool_prompt(features_BSH, prompt_mask)

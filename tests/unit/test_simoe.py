@@ -249,6 +249,23 @@ def test_router_reads_the_seeds_hidden_states_and_anneals(megatron):
     assert (got.max(dim=-1).values - got.min(dim=-1).values).min() > 0.05  # prompts differ
 
 
+def test_router_keeps_the_attention_mask_it_is_given(megatron):
+    """Missing positions default to 0..S-1 without replacing a mask given beside them (here two
+    packed documents, the second blind to the first): the seed pass sees the mask given."""
+    _, model = dense_and_simoe(SIMoEConfig(num_experts=4))
+    model.eval()
+    tokens, _, prompt_mask = batch(5)
+    two_documents = causal_attention_mask(SEQ).clone()
+    two_documents[..., SEQ // 4:, :SEQ // 4] = True
+    positions = torch.arange(SEQ).expand(BATCH, -1)
+    with torch.no_grad():
+        given = model.route(tokens, prompt_mask, attention_mask=two_documents)
+        explicit = model.route(tokens, prompt_mask, positions, two_documents)
+        causal = model.route(tokens, prompt_mask)
+    assert torch.equal(given, explicit)
+    assert (given - causal).abs().max() > 1e-4
+
+
 def test_served_density_counts_the_columns_served():
     simoe = SIMoEConfig(num_experts=2, mask_lr_scale=1.0)
     toy = ToyGated(simoe, 10)

@@ -1,6 +1,6 @@
 """SIMoE study: instruction-tune one small dense model four ways and check SIMoE's claims.
 
-    python tools/study_simoe.py [--out runs/study_simoe] [--quick] [--cache-dir DIR]
+    python tools/study_simoe.py [--out runs/study_simoe] [--quick] [--jobs N] [--cache-dir DIR]
 
 Results go to runs/ unless `--out` says otherwise; the published full study is
 `--out docs/study_simoe`, so a `--quick` check never overwrites it.
@@ -12,7 +12,13 @@ Two seeds (one with --quick), each with its own generated task set and tuning or
    (configs/simoe_instruct.yaml; SIMoE with its defaults, the settings of SMAT and the paper):
    (a) full fine-tuning, (b) LoRA at the rank whose factors hold as many parameters as SIMoE's
    delta, (c) sparse upcycling to 4 experts top-2 (tools/upcycle_ckpt.py) then full fine-tuning,
-   (d) SIMoE (arXiv 2506.12597), every run through `python -m megamoe.train`.
+   (d) SIMoE (arXiv 2506.12597), every run through `python -m megamoe.train`, `--jobs` at a time.
+   Methods differ in the learning rate they want (LoRA's factors and SIMoE's masked delta move
+   the weights otherwise than full fine-tuning does), so each tunes at its own: on the first
+   seed every method runs at each rate of a grid (by default 3e-4, 1e-3 and 3e-3: the config's
+   rate and a factor 3 either side), and the rate whose run scores best on a
+   validation split (new examples of the seen families, neither trained on nor reported) is the
+   one its row reports and the later seeds use. The unseen families take no part in the choice.
 3. Each is scored by exact match on new examples of the seen families and on the unseen
    families; the table has seen / unseen accuracy, trainable and inference parameters (active per
    token or sequence, and stored) and wall time; SIMoE's learned masks are plotted (density per
@@ -37,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import fmean
 
@@ -49,12 +56,15 @@ from megamoe.errors import run_cli  # noqa: E402
 SEED_CONFIG = ROOT / "configs" / "simoe_dense_seed.yaml"
 INSTRUCT_CONFIG = ROOT / "configs" / "simoe_instruct.yaml"
 MOE = {"experts": 4, "topk": 2}
+METHODS = ("simoe", "full", "lora", "sparse_upcycling")
 FULL = {"seed_steps": 500, "tune_epochs": 5, "per_family_train": 300, "per_family_eval": 40,
-        "seeds": 2}
+        "per_family_valid": 40, "seeds": 2, "learning_rates": (3.0e-4, 1.0e-3, 3.0e-3)}
 QUICK = {"seed_steps": 4, "tune_steps": 3, "per_family_train": 4, "per_family_eval": 2,
-         "seeds": 1}
+         "per_family_valid": 2, "seeds": 1, "learning_rates": (1.0e-3,)}
+MIN_LR_RATIO = 0.1  # optimizer.min_lr = this x the run's learning rate (the config's 1e-4 / 1e-3)
 SEED_BASE = 1234  # training.seed of replicate 0 (the trainer's default); replicate k: + k
 CACHE: list[str] = []  # the data.cache_dir override of every run (--cache-dir)
+RUN_ENV = {"TORCHDYNAMO_DISABLE": "1"}  # + OMP_NUM_THREADS when runs share the cores (--jobs)
 _TRAINABLE = re.compile(r"([\d,]+) of ([\d,]+) parameters train")
 
 
@@ -63,7 +73,7 @@ def run(command: list[str], label: str) -> tuple[str, float]:
     print(f"[{label}] {' '.join(command[1:])}", flush=True)
     started = time.perf_counter()
     done = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "TORCHDYNAMO_DISABLE": "1"})
+                          env={**os.environ, **RUN_ENV})
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         sys.stderr.write(f"[{label}] failed (exit {done.returncode}):\n{done.stderr[-3000:]}\n")
@@ -99,14 +109,29 @@ def tune_steps(sizes: dict) -> int:
     return math.ceil(sizes["tune_epochs"] * examples / batch)
 
 
-def study(quick: bool) -> dict:
+def study(quick: bool, jobs: int, learning_rates: tuple[float, ...] = ()) -> dict:
+    """Every seed of the study; the first chooses each method's learning rate."""
     sizes = QUICK if quick else FULL
-    replicates = [replicate(sizes, seed) for seed in range(sizes["seeds"])]
-    return summarise(replicates, quick, tune_steps(sizes))
+    grid = tuple(learning_rates) or sizes["learning_rates"]
+    delta = simoe_delta_parameters()
+    rank = lora_rank_for(delta)
+    first = replicate(sizes, 0, {method: grid for method in METHODS}, rank, jobs)
+    chosen = {method: (first["rows"][method]["lr"],) for method in METHODS}
+    replicates = [first, *(replicate(sizes, seed, chosen, rank, jobs)
+                           for seed in range(1, sizes["seeds"]))]
+    return {**summarise(replicates, quick, tune_steps(sizes)), "learning_rates": list(grid),
+            "delta_parameters": delta, "lora_rank": rank, "jobs": jobs}
 
 
-def replicate(sizes: dict, seed: int) -> dict:
-    """One seed of the study: its own task set, dense seed model and four tuning runs."""
+def best_rate(scores: dict[float, float]) -> float:
+    """The learning rate whose run scored best on the validation split (the smaller on a tie)."""
+    return max(sorted(scores), key=lambda lr: (scores[lr], -lr))
+
+
+def replicate(sizes: dict, seed: int, rates: dict[str, tuple[float, ...]], rank: int,
+              jobs: int) -> dict:
+    """One seed of the study: its own task set and dense seed model; each method tuned at each
+    of its `rates`, the run best on the validation split kept."""
     from megamoe.instruct import tasks
 
     label = f"seed {seed}: "
@@ -114,56 +139,90 @@ def replicate(sizes: dict, seed: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="study_simoe_") as tmp:
         work = Path(tmp)
         data = tasks.write_instruction_set(work / "data", sizes["per_family_train"],
-                                           sizes["per_family_eval"], seed=seed)
+                                           sizes["per_family_eval"], seed=seed,
+                                           per_family_valid=sizes["per_family_valid"])
         _, _, seed_seconds = train(SEED_CONFIG, work / "seed",
                                    [f"training.train_steps={sizes['seed_steps']}", *seeded],
                                    label + "dense seed")
-        tune = [f"training.train_steps={tune_steps(sizes)}", *seeded,
-                f"finetune.train_data={data['train']}",
-                f"finetune.eval_data=[{data['eval_seen']},{data['eval_unseen']}]",
-                f"checkpoint.init_from={work / 'seed' / 'checkpoints'}"]
-        arms = {"simoe": train(INSTRUCT_CONFIG, work / "simoe", [*tune, "finetune.method=simoe"],
-                               label + "simoe")}
-        masks = inspect_simoe(work / "simoe", data["eval_seen"], data["eval_unseen"])
-        rank = lora_rank_for(masks["delta_parameters"])
-        arms["full"] = train(INSTRUCT_CONFIG, work / "full", [*tune, "finetune.method=full"],
-                             label + "full fine-tuning")
-        arms["lora"] = train(INSTRUCT_CONFIG, work / "lora",
-                             [*tune, "finetune.method=lora", f"finetune.lora_rank={rank}",
-                              f"finetune.lora_alpha={2 * rank}"], label + f"LoRA r={rank}")
         run(["tools/upcycle_ckpt.py", "--load", str(work / "seed" / "checkpoints"),
              "--save", str(work / "upcycled"), "--num-experts", str(MOE["experts"]),
              "--topk", str(MOE["topk"]), "--no-progress"], label + "sparse upcycling")
-        upcycled = [o for o in tune if not o.startswith("checkpoint.init_from")]
-        arms["sparse_upcycling"] = train(
-            INSTRUCT_CONFIG, work / "upcycled_tuned",
-            [*upcycled, "finetune.method=full", f"checkpoint.init_from={work / 'upcycled'}",
-             "model.first_k_dense=0", f"moe.num_experts={MOE['experts']}",
-             f"moe.topk={MOE['topk']}", "moe.ffn_hidden_size=384", "moe.score_function=softmax",
-             "moe.balancing=aux_loss", "moe.aux_loss_coeff=1.0e-2"],
-            label + "sparse upcycling 4x top-2")
-    return {"rows": table_rows(arms), "masks": masks, "seed_seconds": seed_seconds,
-            "lora_rank": rank}
+        tune = [f"training.train_steps={tune_steps(sizes)}", *seeded,
+                f"finetune.train_data={data['train']}",
+                "finetune.eval_data=[" + ",".join(str(data[split]) for split in
+                                                  ("valid_seen", "eval_seen", "eval_unseen")) + "]"]
+        seed_init = f"checkpoint.init_from={work / 'seed' / 'checkpoints'}"
+        methods = {
+            "simoe": ("simoe", [seed_init, "finetune.method=simoe"]),
+            "full": ("full fine-tuning", [seed_init, "finetune.method=full"]),
+            "lora": (f"LoRA r={rank}", [seed_init, "finetune.method=lora",
+                                        f"finetune.lora_rank={rank}",
+                                        f"finetune.lora_alpha={2 * rank}"]),
+            "sparse_upcycling": ("sparse upcycling 4x top-2", [
+                f"checkpoint.init_from={work / 'upcycled'}", "finetune.method=full",
+                "model.first_k_dense=0", f"moe.num_experts={MOE['experts']}",
+                f"moe.topk={MOE['topk']}", "moe.ffn_hidden_size=384",
+                "moe.score_function=softmax", "moe.balancing=aux_loss",
+                "moe.aux_loss_coeff=1.0e-2"]),
+        }
+
+        def tune_at(job: tuple[str, float]):
+            method, lr = job
+            name, overrides = methods[method]
+            return train(INSTRUCT_CONFIG, work / f"{method}_lr{lr:g}",
+                         [*tune, *overrides, f"optimizer.lr={lr}",
+                          f"optimizer.min_lr={lr * MIN_LR_RATIO}"],
+                         f"{label}{name} at lr {lr:g}")
+
+        grid = [(method, lr) for method in METHODS for lr in rates[method]]
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            runs = dict(zip(grid, pool.map(tune_at, grid)))
+        validation = {method: {lr: runs[method, lr][0]["eval/valid_seen/all"]
+                               for lr in rates[method]} for method in METHODS}
+        chosen = {method: best_rate(scores) for method, scores in validation.items()}
+        masks = inspect_simoe(work / f"simoe_lr{chosen['simoe']:g}", data["eval_seen"],
+                              data["eval_unseen"])
+        rows = table_rows({method: runs[method, chosen[method]] for method in METHODS})
+    for method in METHODS:
+        rows[method]["lr"] = chosen[method]
+        rows[method]["validation"] = {f"{lr:g}": score
+                                      for lr, score in validation[method].items()}
+    return {"rows": rows, "masks": masks, "seed_seconds": seed_seconds}
+
+
+def _simoe_model(config, vocab_size: int):
+    """The SIMoE model of `config`, built on this CPU process (Megatron set up once)."""
+    from megatron.core import parallel_state
+
+    from megamoe.instruct.finetune import SIMoEFinetuning
+    from megamoe.megatron.runtime import setup_megatron
+    from megamoe.train.model import transformer_config
+
+    if not parallel_state.model_parallel_is_initialized():
+        setup_megatron(seed=config.training.seed)
+    (model,) = SIMoEFinetuning().build_model(config, transformer_config(config, False, False),
+                                             vocab_size)
+    return model
+
+
+def simoe_delta_parameters() -> int:
+    """Entries of SIMoE's shared delta (one per weight of every interpolated linear and norm)."""
+    from megamoe.train.config import load_config
+
+    model = _simoe_model(load_config(str(INSTRUCT_CONFIG), []), vocab_size=128)
+    return sum(p.numel() for n, p in model.named_parameters() if n.endswith("delta_weight"))
 
 
 def _load_simoe(run_dir: Path):
     """The trained SIMoE model of a run (weights verified, allow-listed), on this CPU process."""
-    from megatron.core import parallel_state
-
-    from megamoe.megatron.runtime import setup_megatron
     from megamoe.train.checkpoint import load_model_weights
     from megamoe.train.config import load_config
-    from megamoe.instruct.finetune import SIMoEFinetuning
     from megamoe.train.inputs import data_sources
-    from megamoe.train.model import transformer_config
     from megamoe.train.tokenizer import SentencePieceTokenizer
 
     config = load_config(str(run_dir / "config.yaml"), [])
-    if not parallel_state.model_parallel_is_initialized():
-        setup_megatron(seed=config.training.seed)
     tokenizer = SentencePieceTokenizer(data_sources(config)[1])
-    (model,) = SIMoEFinetuning().build_model(config, transformer_config(config, False, False),
-                                             tokenizer.vocab_size)
+    model = _simoe_model(config, tokenizer.vocab_size)
     load_model_weights(run_dir / "checkpoints", model, config)
     return model.eval(), tokenizer, config
 
@@ -206,9 +265,7 @@ def inspect_simoe(run_dir: Path, *eval_files: Path) -> dict:
             "expected_density_per_expert": expected.tolist(), "overlap": overlap.tolist(),
             "coefficients": {task: torch.stack(v).mean(0).tolist()
                              for task, v in sorted(coefficients.items())},
-            "target_density": 1.0 - config.finetune.simoe.get("target_sparsity", 0.75),
-            "delta_parameters": sum(p.numel() for n, p in model.named_parameters()
-                                    if n.endswith("delta_weight"))}
+            "target_density": 1.0 - config.finetune.simoe.get("target_sparsity", 0.75)}
 
 
 def lora_rank_for(parameters: int) -> int:
@@ -250,7 +307,8 @@ def table_rows(arms: dict) -> dict:
         rows[name] = {"seen": last["eval/eval_seen/all"], "unseen": last["eval/eval_unseen/all"],
                       "trainable": trainable, "stored": total, "seconds": round(seconds),
                       "per_family": {k.split("/", 2)[2]: v for k, v in last.items()
-                                     if k.startswith("eval/") and not k.endswith("/all")}}
+                                     if k.startswith(("eval/eval_seen/", "eval/eval_unseen/"))
+                                     and not k.endswith("/all")}}
     for name in ("full", "lora", "simoe"):  # served as one dense model per sequence
         rows[name]["active"] = rows["full"]["stored"]
     experts = _moe_expert_parameters(INSTRUCT_CONFIG)
@@ -300,7 +358,7 @@ def summarise(replicates: list[dict], quick: bool, steps: int) -> dict:
     ]
     return {"quick": quick, "seeds": len(replicates), "tune_steps": steps,
             "seed_seconds": round(fmean([r["seed_seconds"] for r in replicates])),
-            "lora_rank": first["lora_rank"], "rows": rows, "masks": first["masks"],
+            "rows": rows, "masks": first["masks"],
             "masks_per_seed": masks,
             "claims": [{"claim": c, "held": bool(h), "evidence": e} for c, h, e in claims]}
 
@@ -309,22 +367,28 @@ def markdown(result: dict) -> str:
     lines = ["# SIMoE study (tools/study_simoe.py)", "",
              f"{result['seeds']} seed(s), each with its own task set, dense seed model "
              f"(pretrained in {result['seed_seconds']} s) and tuning order; every method tunes "
-             f"{result['tune_steps']} steps. LoRA rank {result['lora_rank']} matches SIMoE's "
-             "delta. Exact match on held-out examples of the seen task families and on the "
-             "unseen families: the mean over seeds, each seed's in brackets; the masks' figures "
-             "are those served." + (" QUICK MODE: pipeline check only." if result["quick"] else ""),
-             "", "| method | seen | unseen | trainable | active at inference | stored | wall s |",
-             "|---|---|---|---|---|---|---|"]
+             f"{result['tune_steps']} steps, {result['jobs']} run(s) at a time. LoRA rank "
+             f"{result['lora_rank']} matches SIMoE's delta. Each method tunes at the learning "
+             f"rate of {', '.join(f'{lr:g}' for lr in result['learning_rates'])} that scored best "
+             "on the first seed's validation split (new examples of the seen families; the "
+             "scores under the table); the later seeds use it. Exact match on held-out examples "
+             "of the seen task families and on the unseen families: the mean over seeds, each "
+             "seed's in brackets; the masks' figures are those served."
+             + (" QUICK MODE: pipeline check only." if result["quick"] else ""),
+             "", "| method | lr | seen | unseen | trainable | active at inference | stored | "
+             "wall s |", "|---|---|---|---|---|---|---|---|"]
 
     def cell(r: dict, key: str) -> str:
         seeds = ", ".join(f"{v:.3f}" for v in r[f"{key}_per_seed"])
         return f"{r[key]:.3f} ({seeds})"
 
     for name, r in result["rows"].items():
-        lines.append(f"| {name} | {cell(r, 'seen')} | {cell(r, 'unseen')} | "
+        lines.append(f"| {name} | {r['lr']:g} | {cell(r, 'seen')} | {cell(r, 'unseen')} | "
                      f"{r['trainable']:,} | {r['active']:,} | {r['stored']:,} | "
                      f"{round(r['seconds'])} |")
-    lines += ["", "## Claims", ""]
+    lines += ["", "Validation exact match by learning rate (first seed): " + "; ".join(
+        f"{name} " + ", ".join(f"{lr} -> {score:.3f}" for lr, score in r["validation"].items())
+        for name, r in result["rows"].items()) + ".", "", "## Claims", ""]
     lines += [f"- {'HELD' if c['held'] else 'NOT HELD'}: {c['claim']} ({c['evidence']})"
               for c in result["claims"]]
     lines += ["", "![mask density](mask_density.png)", "![mask overlap](mask_overlap.png)",
@@ -374,17 +438,42 @@ def write(result: dict, out: Path) -> None:
         os.replace(partial, out / name)
 
 
+def _rates(text: str) -> tuple[float, ...]:
+    """--learning-rates as numbers; () unless every comma-separated part is a positive number."""
+    try:
+        rates = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        return ()
+    return rates if all(rate > 0 for rate in rates) else ()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(ROOT / "runs" / "study_simoe"),
                         help="result folder (default runs/study_simoe; the published study: "
                              "docs/study_simoe)")
     parser.add_argument("--quick", action="store_true", help="a few steps per run (CI)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="tuning runs trained at a time (each gets cores / jobs threads)")
+    parser.add_argument("--learning-rates", default="",
+                        help="comma-separated grid each method chooses its learning rate from "
+                             "on the first seed's validation split (default 3e-4,1e-3,3e-3, "
+                             "the config's rate and a factor 3 either side; quick: 1e-3)")
     parser.add_argument("--cache-dir", help="data.cache_dir of every run (the default corpus)")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        print(f"study_simoe: --jobs {args.jobs} must be >= 1", file=sys.stderr)
+        return 2
+    rates = _rates(args.learning_rates) if args.learning_rates else ()
+    if args.learning_rates and not rates:
+        print(f"study_simoe: --learning-rates {args.learning_rates!r} must be positive numbers "
+              "separated by commas, e.g. 1e-3,3e-3", file=sys.stderr)
+        return 2
     if args.cache_dir:
         CACHE.append(f"data.cache_dir={args.cache_dir}")
-    result = study(args.quick)
+    if args.jobs > 1:
+        RUN_ENV["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.jobs))
+    result = study(args.quick, args.jobs, rates)
     write(result, Path(args.out))
     for claim in result["claims"]:
         print(f"{'HELD' if claim['held'] else 'NOT HELD'}: {claim['claim']} ({claim['evidence']})")

@@ -138,14 +138,19 @@ def examples(families: tuple[str, ...], per_family: int, seed: int) -> Iterator[
 
 
 def write_instruction_set(directory: str | os.PathLike, per_family_train: int = 400,
-                          per_family_eval: int = 50, seed: int = 0) -> dict[str, Path]:
+                          per_family_eval: int = 50, seed: int = 0,
+                          per_family_valid: int = 0) -> dict[str, Path]:
     """train.jsonl (seen families), eval_seen.jsonl (new examples of them) and eval_unseen.jsonl
-    (held-out families), each written to a temporary file first and renamed."""
+    (held-out families), and with `per_family_valid` > 0 valid_seen.jsonl (more new examples of
+    the seen families, for choosing hyperparameters without touching the evaluation sets); each
+    written to a temporary file first and renamed."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     splits = {"train": (SEEN_FAMILIES, per_family_train, seed),
               "eval_seen": (SEEN_FAMILIES, per_family_eval, seed + 1),
               "eval_unseen": (UNSEEN_FAMILIES, per_family_eval, seed + 2)}
+    if per_family_valid > 0:
+        splits["valid_seen"] = (SEEN_FAMILIES, per_family_valid, seed + 3)
     paths = {}
     for split, (families, count, split_seed) in splits.items():
         path = directory / f"{split}.jsonl"

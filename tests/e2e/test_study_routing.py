@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tool_modules import tool_module
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -30,17 +32,8 @@ def test_quick_study_writes_table_plots_and_claims(tmp_path):
     assert len(lines) >= 2
 
 
-def _study_module():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import study_routing
-    finally:
-        sys.path.pop(0)
-    return study_routing
-
-
 def test_pooled_maxvio_sums_the_counts_of_the_last_steps():
-    study = _study_module()
+    study = tool_module("study_routing")
     # Three steps of 100 tokens over 4 experts (2, 2 and 1 experts per token); the first falls
     # outside a 2-step window.
     steps = [[90, 50, 40, 20], [10, 60, 70, 60], [35, 15, 25, 25]]
@@ -57,7 +50,7 @@ def test_pooled_maxvio_sums_the_counts_of_the_last_steps():
 
 
 def test_iid_floor_shrinks_with_the_square_root_of_the_tokens():
-    study = _study_module()
+    study = tool_module("study_routing")
     small, large = study.iid_maxvio(1024, 8, 2), study.iid_maxvio(16 * 1024, 8, 2)
     assert 3.0 < small / large < 5.5  # sqrt(16) = 4, up to sampling noise
 

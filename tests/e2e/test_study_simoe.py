@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from tool_modules import tool_module
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -26,7 +30,7 @@ def test_quick_study_runs_every_method_and_counts_parameters(corpus_cache, tmp_p
     linears = [(3 * h, h), (h, h), (2 * f, h), (h, f)]  # qkv, proj, fc1, fc2 as [out, in]
     delta = layers * (sum(o * i for o, i in linears) + 2 * h) + h
     masks = m * (layers * (sum(i for _, i in linears) + 2 * h) + h)
-    assert result["masks"]["delta_parameters"] == delta
+    assert result["delta_parameters"] == delta
     assert rows["simoe"]["trainable"] == delta + masks + m * h  # + the router
     rank = result["lora_rank"]
     assert rank == round(delta / (layers * sum(o + i for o, i in linears)))
@@ -35,5 +39,25 @@ def test_quick_study_runs_every_method_and_counts_parameters(corpus_cache, tmp_p
     experts = layers * 4 * 3 * h * f
     assert rows["sparse_upcycling"]["active"] == rows["sparse_upcycling"]["stored"] - experts // 2
     assert len(result["claims"]) == 6 and result["seeds"] == 1
+    for row in rows.values():  # the quick grid has one rate, chosen on the validation split
+        assert row["lr"] == 1e-3 and set(row["validation"]) == {"0.001"}
+        assert 0.0 <= row["validation"]["0.001"] <= 1.0
+        assert not any(family.startswith("valid") for family in row["per_family"])
     assert all(line in done.stdout for line in
                (("HELD: " if c["held"] else "NOT HELD: ") + c["claim"] for c in result["claims"]))
+
+
+def test_best_rate_is_the_best_on_validation_and_the_smaller_on_a_tie():
+    study = tool_module("study_simoe")
+    assert study.best_rate({1e-3: 0.2, 3e-3: 0.5, 1e-2: 0.1}) == 3e-3
+    assert study.best_rate({3e-3: 0.4, 1e-3: 0.4}) == 1e-3
+
+
+@pytest.mark.parametrize("flag", [["--learning-rates", "1e-3,x"], ["--learning-rates", "0"],
+                                  ["--jobs", "0"]])
+def test_bad_flags_are_one_line_exit_2(tmp_path, flag):
+    done = subprocess.run([sys.executable, "tools/study_simoe.py", *flag,
+                           "--out", str(tmp_path / "x")], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert flag[1] in done.stderr and not (tmp_path / "x").exists()

@@ -6,16 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tool_modules import tool_module
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _study_module():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import study_topp
-    finally:
-        sys.path.pop(0)
-    return study_topp
 
 
 def test_quick_study_writes_table_plots_and_claims(tmp_path):
@@ -47,7 +40,7 @@ def test_quick_study_writes_table_plots_and_claims(tmp_path):
 
 
 def test_top_k_line_interpolates_between_top1_and_top2():
-    study = _study_module()
+    study = tool_module("study_topp")
     rows = {"top1": {"heldout_loss": 4.0}, "top2": {"heldout_loss": 3.0}}
     assert study.topk_line(rows, 1.25) == 3.75
     assert study.topk_line(rows, 2.5) is None and study.topk_line({}, 1.5) is None

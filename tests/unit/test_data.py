@@ -5,7 +5,6 @@ split by a regular expression, sample indices computed by the sampler's formula,
 corpus text written out by hand or taken from `inspect.getdoc`.
 """
 
-import importlib.util
 import inspect
 import itertools
 import json
@@ -25,22 +24,13 @@ from megamoe.train.data_prep import preprocess
 from megamoe.train.tokenizer import SentencePieceTokenizer
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from tool_modules import tool_module
 
-ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 512
 SEQ = 32
 
 
-def _load_cli():
-    spec = importlib.util.spec_from_file_location(
-        "preprocess_data_cli", ROOT / "tools" / "preprocess_data.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
-
-
-CLI_MAIN = _load_cli()
+CLI_MAIN = tool_module("preprocess_data").main
 
 JSON_DOCS = [
     inspect.getdoc(obj)

@@ -48,6 +48,17 @@ def test_families_split_and_answers_check():
     assert again == list(tasks.examples(tasks.SEEN_FAMILIES, 3, seed=9))
 
 
+def test_validation_split_is_a_new_draw_of_the_seen_families(tmp_path):
+    paths = tasks.write_instruction_set(tmp_path, per_family_train=4, per_family_eval=6,
+                                        per_family_valid=6)
+    valid, seen = ([json.loads(line) for line in open(paths[split])]
+                   for split in ("valid_seen", "eval_seen"))
+    assert [r["task"] for r in valid] == [r["task"] for r in seen]
+    assert sorted({r["task"] for r in valid}) == sorted(tasks.SEEN_FAMILIES)
+    assert sum(v["prompt"] != s["prompt"] for v, s in zip(valid, seen)) > len(seen) // 2
+    assert "valid_seen" not in tasks.write_instruction_set(tmp_path / "plain", 1, 1)
+
+
 def test_loss_covers_exactly_the_response_and_its_end(data):
     paths, tok = data
     dataset = InstructionDataset(paths["train"], tok, SEQ)

@@ -5,11 +5,12 @@ pipeline schedule's in-flight micro-batches, the forced routing of --measure, th
 schema, and the CLI's one-line errors (exit code 2, no output file)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from tool_modules import tool_module
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -116,11 +117,7 @@ def test_forced_routing(tokens, experts, topk, local, maxvio):
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("plan_memory",
-                                                  REPO / "tools" / "plan_memory.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tool_module("plan_memory")
 
 
 def test_json_schema(tool, tmp_path, capsys):

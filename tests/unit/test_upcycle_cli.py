@@ -1,6 +1,5 @@
 """tools/upcycle_ckpt.py: a working run, and every bad input -> one line on stderr, exit code 2,
 no output left behind."""
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 import upcycle_ckpts as ck
+from tool_modules import tool_module
 from megamoe.errors import run_cli
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 from megamoe.checkpointing.torch_files import load_torch_file
@@ -19,14 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "upcycle_ckpt.py"
 
 
-def _load_cli():
-    spec = importlib.util.spec_from_file_location("upcycle_ckpt_cli", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
-
-
-CLI_MAIN = _load_cli()
+CLI_MAIN = tool_module("upcycle_ckpt").main
 
 
 @pytest.fixture(scope="module")

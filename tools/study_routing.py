@@ -1,16 +1,17 @@
 """Routing study: the same small MoE trained under each router and balancer, and whether each
 paper's claim holds at this scale.
 
-    python tools/study_routing.py [--out runs/study_routing] [--quick] [--variants a,b,...]
-                                  [--runs DIR]
+    python tools/study_routing.py [--out runs/study_routing] [--quick] [--jobs N]
+                                  [--variants a,b,...] [--runs DIR]
 
 Results go to runs/ unless `--out` says otherwise; the published full study is
 `--out docs/study_routing`, so a `--quick` check never overwrites it.
 
 Every variant trains the study's default model (a 4-layer GPT, first layer dense, 3 MoE layers
 of 8 experts, on the embedded corpus with 5% of its documents held out) with the same seed and
-data order through the public entry `python -m megamoe.train --config BASE key=value ...`, one
-process at a time, and is read back from its metrics.jsonl. The study writes, atomically,
+data order through the public entry `python -m megamoe.train --config BASE key=value ...`,
+`--jobs` processes at a time (one intra-op thread each), and is read back from its
+metrics.jsonl. The study writes, atomically,
 OUT/study.md and OUT/study.json (the table and the claims), OUT/*.png (held-out loss, MaxVio
 global and per micro-batch per layer, experts per token per layer, dropped tokens, step time)
 and OUT/base.yaml; the runs themselves train in a temporary folder that is removed, or in
@@ -46,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -112,11 +114,72 @@ def finished(out: Path, steps: int) -> bool:
     return metrics.is_file() and any(r["step"] == steps for r in read_metrics(out))
 
 
-def train(name: str, base_yaml: Path, runs: Path, quick: bool) -> Path | None:
-    """Train one variant of this study (`train_run`)."""
-    steps = 3 if quick else BASE_CONFIG["training"]["train_steps"]
-    return train_run(name, [*VARIANTS[name][1], *(QUICK if quick else [])], base_yaml, runs,
-                     steps)
+def study_arguments(study: str, variants: dict, description: str, argv) -> argparse.Namespace:
+    """The command line of a variant study (--out, --quick, --jobs, --runs, --variants), with
+    `study` and `names`, the variants to train; a bad --variants or --jobs exits 2 with one
+    line."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", default=str(ROOT / "runs" / study),
+                        help=f"result folder (default runs/{study}; the published study: "
+                             f"docs/{study})")
+    parser.add_argument("--quick", action="store_true", help="a few steps per variant (CI)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="variants trained at a time, one thread each (default 1)")
+    parser.add_argument("--runs", help="train (and reuse finished runs) here, kept afterwards")
+    parser.add_argument("--variants", default=",".join(variants),
+                        help=f"comma-separated subset of {','.join(variants)}")
+    args = parser.parse_args(argv)
+    args.study = study
+    args.names = [n for n in args.variants.split(",") if n]
+    unknown = [n for n in args.names if n not in variants]
+    if unknown or not args.names:
+        problem = f"--variants {args.variants!r}: unknown {unknown}; pick from {','.join(variants)}"
+    elif args.jobs < 1:
+        problem = f"--jobs {args.jobs} must be >= 1"
+    else:
+        return args
+    print(f"{study}: {problem}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def train_variants(args: argparse.Namespace, variants: dict, base_config: dict,
+                   work: Path) -> tuple[dict[str, Path], list[str], int]:
+    """Write `base_config` to work/base.yaml and train `args.names` from it, `args.jobs` at a
+    time, in --runs (finished runs reused) or work/runs: (the folder of each variant that
+    finished, the names that failed, the steps each trains); exits 1 when none finished."""
+    base_yaml = work / "base.yaml"
+    base_yaml.write_text(yaml.safe_dump(base_config, sort_keys=False))
+    runs = Path(args.runs).resolve() if args.runs else work / "runs"
+    steps = 3 if args.quick else base_config["training"]["train_steps"]
+
+    def train(name: str) -> Path | None:
+        return train_run(name, [*variants[name][1], *(QUICK if args.quick else [])], base_yaml,
+                         runs, steps)
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        folders = dict(zip(args.names, pool.map(train, args.names)))
+    if all(f is None for f in folders.values()):
+        print(f"{args.study}: every variant failed; nothing written", file=sys.stderr)
+        raise SystemExit(1)
+    return ({n: f for n, f in folders.items() if f is not None},
+            [n for n, f in folders.items() if f is None], steps)
+
+
+def study_json(settings: str, base_config: dict, variants: dict, rows: dict, results,
+               **extra) -> str:
+    """study.json: the settings, base config, each variant's setup, overrides and row, claims."""
+    return json.dumps(
+        {"settings": settings, **extra, "base_config": base_config,
+         "variants": {n: {"setup": variants[n][0], "overrides": variants[n][1], **rows[n]}
+                      for n in rows},
+         "claims": [{"claim": c, "held": h, "numbers": x} for c, h, x in results]}, indent=1)
+
+
+def study_folder(out: str) -> tuple[Path, Path]:
+    """(the result folder, a new work folder beside it that `publish` later puts in its place)."""
+    out = Path(out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out, Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
 
 
 def train_run(name: str, overrides: list[str], base_yaml: Path, runs: Path,
@@ -377,55 +440,27 @@ def publish(work: Path, out: Path) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(ROOT / "runs" / "study_routing"),
-                        help="result folder (default runs/study_routing; the published study: "
-                             "docs/study_routing)")
-    parser.add_argument("--quick", action="store_true", help="a few steps per variant (CI)")
-    parser.add_argument("--runs", help="train (and reuse finished runs) here, kept afterwards")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated subset of {','.join(VARIANTS)}")
-    args = parser.parse_args(argv)
-    names = [n for n in args.variants.split(",") if n]
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown or not names:
-        print(f"study_routing: --variants {args.variants!r}: unknown {unknown}; pick from "
-              f"{','.join(VARIANTS)}", file=sys.stderr)
-        return 2
-    out = Path(args.out).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    args = study_arguments("study_routing", VARIANTS, __doc__.split("\n")[0], argv)
+    out, work = study_folder(args.out)
     try:
-        base_yaml = work / "base.yaml"
-        base_yaml.write_text(yaml.safe_dump(BASE_CONFIG, sort_keys=False))
         started = time.perf_counter()
-        runs = Path(args.runs).resolve() if args.runs else work / "runs"
-        folders = {n: train(n, base_yaml, runs, args.quick) for n in names}
-        failed = [n for n, folder in folders.items() if folder is None]
-        all_records = {n: read_metrics(folder) for n, folder in folders.items() if folder}
-        if not all_records:
-            print("study_routing: every variant failed; nothing written", file=sys.stderr)
-            return 1
+        folders, failed, steps = train_variants(args, VARIANTS, BASE_CONFIG, work)
+        all_records = {n: read_metrics(folder) for n, folder in folders.items()}
         rows = {n: summarise(r) for n, r in all_records.items()}
         results = claims(rows)
-        steps = max(r["step"] for records in all_records.values() for r in records)
         training_s = sum(sum(series(records, "step_time_s")) for records in all_records.values())
-        settings = (f"{'QUICK (pipeline check only) ' if args.quick else ''}{len(names)} "
+        settings = (f"{'QUICK (pipeline check only) ' if args.quick else ''}{len(args.names)} "
                     f"variants x {steps} steps, {training_s:.0f} s of training steps in all "
-                    f"(this invocation {time.perf_counter() - started:.0f} s, finished runs "
-                    "reused); "
+                    f"(this invocation {time.perf_counter() - started:.0f} s, {args.jobs} at a "
+                    "time, finished runs reused); "
                     f"base config `base.yaml` (same seed and data order for every variant), "
                     f"per-variant overrides in `study.json`."
                     + (f" FAILED variants (not in the table): {', '.join(failed)}." if failed
                        else ""))
-        floor = sampling_floor(next(folder for folder in folders.values() if folder))
+        floor = sampling_floor(next(iter(folders.values())))
         (work / "study.md").write_text(markdown(rows, results, settings, floor))
-        (work / "study.json").write_text(json.dumps(
-            {"settings": settings, "sampling_floor": floor, "base_config": BASE_CONFIG,
-             "variants": {n: {"setup": VARIANTS[n][0], "overrides": VARIANTS[n][1], **rows[n]}
-                          for n in rows},
-             "claims": [{"claim": c, "held": h, "numbers": x} for c, h, x in results]},
-            indent=1))
+        (work / "study.json").write_text(study_json(settings, BASE_CONFIG, VARIANTS, rows,
+                                                    results, sampling_floor=floor))
         plot(all_records, work)
         publish(work, out)
     finally:

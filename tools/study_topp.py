@@ -28,23 +28,17 @@ written atomically. `--quick` (CI) trains a few steps: it checks the pipeline, n
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import shutil
 import statistics
 import sys
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import yaml
-
 from study_routing import BASE_CONFIG as ROUTING_BASE
-from study_routing import QUICK, layers_of, publish, read_metrics, series, train_run
+from study_routing import (layers_of, publish, read_metrics, series, study_arguments,
+                           study_folder, study_json, train_variants)
 
-ROOT = Path(__file__).resolve().parent.parent
 TAIL = 50  # steps averaged for "at the end of training"
 PAPER_P = 0.4  # the paper's and its code's threshold
 
@@ -258,51 +252,16 @@ def plot(all_records: dict[str, list[dict]], rows: dict[str, dict], out: Path) -
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(ROOT / "runs" / "study_topp"),
-                        help="result folder (default runs/study_topp; the published study: "
-                             "docs/study_topp)")
-    parser.add_argument("--quick", action="store_true", help="a few steps per variant (CI)")
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="variants trained at a time, one thread each (default 1)")
-    parser.add_argument("--runs", help="train (and reuse finished runs) here, kept afterwards")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated subset of {','.join(VARIANTS)}")
-    args = parser.parse_args(argv)
-    names = [n for n in args.variants.split(",") if n]
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown or not names:
-        print(f"study_topp: --variants {args.variants!r}: unknown {unknown}; pick from "
-              f"{','.join(VARIANTS)}", file=sys.stderr)
-        return 2
-    if args.jobs < 1:
-        print(f"study_topp: --jobs {args.jobs} must be >= 1", file=sys.stderr)
-        return 2
-    out = Path(args.out).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    args = study_arguments("study_topp", VARIANTS, __doc__.split("\n")[0], argv)
+    out, work = study_folder(args.out)
     try:
-        base_yaml = work / "base.yaml"
-        base_yaml.write_text(yaml.safe_dump(BASE_CONFIG, sort_keys=False))
         started = time.perf_counter()
-        runs = Path(args.runs).resolve() if args.runs else work / "runs"
-        steps = 3 if args.quick else BASE_CONFIG["training"]["train_steps"]
-
-        def train(name):
-            return train_run(name, [*VARIANTS[name][1], *(QUICK if args.quick else [])],
-                             base_yaml, runs, steps)
-
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            folders = dict(zip(names, pool.map(train, names)))
-        failed = [n for n, folder in folders.items() if folder is None]
-        all_records = {n: read_metrics(folder) for n, folder in folders.items() if folder}
-        if not all_records:
-            print("study_topp: every variant failed; nothing written", file=sys.stderr)
-            return 1
+        folders, failed, steps = train_variants(args, VARIANTS, BASE_CONFIG, work)
+        all_records = {n: read_metrics(folder) for n, folder in folders.items()}
         rows = {n: summarise(r) for n, r in all_records.items()}
         results = claims(rows)
         tokens = BASE_CONFIG["training"]["global_batch_size"] * BASE_CONFIG["model"]["seq_length"]
-        settings = (f"{'QUICK (pipeline check only) ' if args.quick else ''}{len(names)} "
+        settings = (f"{'QUICK (pipeline check only) ' if args.quick else ''}{len(args.names)} "
                     f"variants x {steps} steps ({steps * tokens / 1e6:.1f}M tokens each unless "
                     f"quick), trained {args.jobs} at a time in "
                     f"{time.perf_counter() - started:.0f} s (finished runs reused); base config "
@@ -312,12 +271,8 @@ def main(argv=None) -> int:
                     + (f" FAILED variants (not in the table): {', '.join(failed)}." if failed
                        else ""))
         (work / "study.md").write_text(markdown(rows, results, settings))
-        (work / "study.json").write_text(json.dumps(
-            {"settings": settings, "base_config": BASE_CONFIG,
-             "variants": {n: {"setup": VARIANTS[n][0], "overrides": VARIANTS[n][1], **rows[n]}
-                          for n in rows},
-             "claims": [{"claim": c, "held": h, "numbers": x} for c, h, x in results]},
-            indent=1))
+        (work / "study.json").write_text(study_json(settings, BASE_CONFIG, VARIANTS, rows,
+                                                    results))
         plot(all_records, rows, work)
         publish(work, out)
     finally:

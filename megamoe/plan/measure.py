@@ -21,18 +21,14 @@ probabilities on the forced experts, so the router trains as usual.
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
 import sys
 import tempfile
-import time
-import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from megamoe.errors import MegaMoEError
+from megamoe.parallel.spawn import spawn_ranks
 from megamoe.plan.tracker import ACTIVATIONS, MOE, SavedTensorTracker
 
 STEPS = 2
@@ -171,49 +167,35 @@ def measure_rank(config, maxvio: float, steps: int = STEPS) -> dict[str, Any]:
             "stage": parallel_state.get_pipeline_model_parallel_rank()}
 
 
-def _rank_job(rank: int, world: int, port: int, runs: list[dict], out_dir: str,
-              steps: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHDYNAMO_DISABLE="1")
-    torch.set_num_threads(1)
-    results: dict = {}
-    try:
-        import logging
-        import warnings
+def _measure_ranks(rank: int, world: int, runs: list[dict], steps: int) -> dict:
+    """One rank of `measure`: each run's `measure_rank` in turn, Megatron set up for its layout."""
+    import logging
+    import warnings
 
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        from megamoe.megatron.runtime import setup_megatron, teardown_megatron
-        from megamoe.train.config import config_from_dict
+    from megamoe.megatron.runtime import setup_megatron, teardown_megatron
+    from megamoe.train.config import config_from_dict
 
-        warnings.filterwarnings("ignore")
-        logging.getLogger("megatron").setLevel(logging.ERROR)
-        dist.init_process_group("gloo", init_method="env://")
-        for index, run in enumerate(runs):
-            config = config_from_dict(run["config"])
-            p = config.parallel
-            setup_megatron(tensor_model_parallel_size=p.tensor,
-                           pipeline_model_parallel_size=p.pipeline,
-                           virtual_pipeline_model_parallel_size=p.virtual_stages,
-                           expert_model_parallel_size=p.expert, seed=config.training.seed)
-            try:
-                results[run["name"]] = measure_rank(config, run["maxvio"], steps)
-            finally:
-                teardown_megatron()
-            if rank == 0:
-                print(f"measured {run['name']} ({index + 1}/{len(runs)})", file=sys.stderr,
-                      flush=True)
-        result = {"value": results}
-    except BaseException:  # noqa: BLE001 - reported to the parent process
-        result = {"error": traceback.format_exc()}
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    warnings.filterwarnings("ignore")
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+    dist.init_process_group("gloo", init_method="env://")
+    results = {}
+    for index, run in enumerate(runs):
+        config = config_from_dict(run["config"])
+        p = config.parallel
+        setup_megatron(tensor_model_parallel_size=p.tensor,
+                       pipeline_model_parallel_size=p.pipeline,
+                       virtual_pipeline_model_parallel_size=p.virtual_stages,
+                       expert_model_parallel_size=p.expert, seed=config.training.seed)
+        try:
+            results[run["name"]] = measure_rank(config, run["maxvio"], steps)
+        finally:
+            teardown_megatron()
+        if rank == 0:
+            print(f"measured {run['name']} ({index + 1}/{len(runs)})", file=sys.stderr,
+                  flush=True)
+    return results
 
 
 def measure(runs: list[dict], world: int, steps: int = STEPS, timeout_s: float = 900.0
@@ -221,34 +203,12 @@ def measure(runs: list[dict], world: int, steps: int = STEPS, timeout_s: float =
     """Measure each run ({"name", "config": plain config data, "maxvio"}), all at the same
     world size, in one set of `world` spawned CPU processes (gloo); returns
     {name: [rank 0 result, rank 1 result, ...]} (`measure_rank`)."""
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="megamoe-measure-") as out_dir:
-        port = _free_port()
-        procs = [context.Process(target=_rank_job,
-                                 args=(rank, world, port, runs, out_dir, steps))
-                 for rank in range(world)]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + timeout_s
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        alive = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
-        for rank in alive:
-            procs[rank].kill()
-            procs[rank].join()
-        if alive:
-            raise MegaMoEError(f"--measure: ranks {alive} still running after {timeout_s:.0f} s; "
-                               "measure a smaller config")
-        per_rank = []
-        for rank, proc in enumerate(procs):
-            path = Path(out_dir) / f"rank{rank}.pt"
-            if not path.exists():
-                raise RuntimeError(f"--measure: rank {rank} exited with code {proc.exitcode} "
-                                   "and no result")
-            result = torch.load(path, weights_only=True)
-            if "error" in result:
-                raise RuntimeError(f"--measure: rank {rank} failed:\n{result['error']}")
-            per_rank.append(result["value"])
+        try:
+            per_rank = spawn_ranks(world, _measure_ranks, out_dir, timeout_s, runs=runs,
+                                   steps=steps)
+        except TimeoutError as err:
+            raise MegaMoEError(f"--measure: {err}; measure a smaller config") from None
+        except RuntimeError as err:
+            raise RuntimeError(f"--measure: {err}") from None
     return {run["name"]: [ranks[run["name"]] for ranks in per_rank] for run in runs}

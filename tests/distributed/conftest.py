@@ -7,7 +7,7 @@ then load.
 import pytest
 
 import ep_workers
-from ep_harness import spawn
+from megamoe.parallel.spawn import spawn_ranks as spawn
 
 RUN_TIMEOUT_S = 300  # a whole world-size run, start-up included, on 2 busy cores
 

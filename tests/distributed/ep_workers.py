@@ -1,4 +1,4 @@
-"""Per-rank jobs of the multi-process expert-parallel tests (run through `ep_harness.spawn`).
+"""Per-rank jobs of the multi-process expert-parallel tests (run through `megamoe.parallel.spawn`).
 
 With world size R every job runs expert parallelism EP=R (data parallelism R for the dense part,
 as Megatron folds EP into DP). The references are independent of the code under test: a

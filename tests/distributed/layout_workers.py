@@ -1,4 +1,4 @@
-"""Per-rank jobs of the parallel-layout tests (run through `ep_harness.spawn`).
+"""Per-rank jobs of the parallel-layout tests (run through `megamoe.parallel.spawn`).
 
 Every job trains the same tiny GPT-MoE (layer 0 dense, layers 1-3 MoE with a shared expert,
 loss-free bias plus aux and z losses; its MLA variant with latent attention) through the real

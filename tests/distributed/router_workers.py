@@ -1,5 +1,5 @@
 """Per-rank job of the multi-process checks of the research routers (run through
-`ep_harness.spawn`): the layer cases of `ep_workers` that `ROUTER_CASES` adds, without the
+`megamoe.parallel.spawn`): the layer cases of `ep_workers` that `ROUTER_CASES` adds, without the
 GPT and checkpoint parts, so they run in seconds."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-rank job of the SIMoE / LoRA tensor-parallel test (run through `ep_harness.spawn`).
+"""Per-rank job of the SIMoE / LoRA tensor-parallel test (run through `megamoe.parallel.spawn`).
 
 Every rank builds the same model (the CPU initialisation draws full tensors from the shared seed,
 then each rank keeps its slice), trains it for a few steps in training mode (for SIMoE: sampled

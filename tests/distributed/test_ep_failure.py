@@ -3,7 +3,7 @@ process-group timeout that `setup_megatron` gives Megatron's expert-parallel gro
 import pytest
 
 import ep_workers
-from ep_harness import spawn
+from megamoe.parallel.spawn import spawn_ranks as spawn
 
 GROUP_TIMEOUT_S = 4.0
 

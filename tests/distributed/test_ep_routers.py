@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import router_workers
-from ep_harness import spawn
+from megamoe.parallel.spawn import spawn_ranks as spawn
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("transformers")
 import hf_import_workers  # noqa: E402
-from ep_harness import spawn  # noqa: E402
+from megamoe.parallel.spawn import spawn_ranks as spawn  # noqa: E402
 from hf_models import MOE_ARCHS, save_tiny_hf_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,8 +89,6 @@ def test_trained_at_ep2_exports_what_transformers_reproduces(imported, expert_pa
     """Trained at EP=2 from the import, exported back: transformers' logits equal megamoe's
     (export's --verify), training moved them, and DeepSeek-V3's correction bias kept training
     from its imported values (the loss-free rule moves each entry by 1e-3 a step)."""
-    import torch
-
     from megamoe.interop.hf_export import export_hf
     from megamoe.upcycle.hf_logits import hf_logits, load_hf_model, sample_tokens
 

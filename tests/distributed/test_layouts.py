@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import layout_workers as lw
-from ep_harness import spawn
+from megamoe.parallel.spawn import spawn_ranks as spawn
 
 TOL = 1e-4
 RUN_TIMEOUT_S = 420

@@ -2,7 +2,7 @@
 and every trainable parameter (deltas, gates, router) after a few training steps; its torch_dist
 checkpoint, saved at TP=2, loads at TP=1 into the same model; LoRA, the study's baseline, too."""
 import simoe_workers
-from ep_harness import spawn
+from megamoe.parallel.spawn import spawn_ranks as spawn
 
 TOL = 1e-5
 # Parameters after Adam steps: Adam divides by the gradient's own size, so a gradient that is

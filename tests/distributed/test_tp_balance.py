@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tp_workers
-from ep_harness import spawn
+from megamoe.parallel.spawn import spawn_ranks as spawn
 from megamoe import MoEConfig
 from megamoe.layer import MoELayer
 from mock_ranks import run_ranks

@@ -1,4 +1,4 @@
-"""Per-rank job of the tensor-parallel balance-loss test (run through `ep_harness.spawn`).
+"""Per-rank job of the tensor-parallel balance-loss test (run through `megamoe.parallel.spawn`).
 
 Tensor parallelism 2 with sequence parallelism: each rank holds half of every sequence (Megatron
 splits the [S, B, D] activations along S). The reference is a single-process megamoe layer with

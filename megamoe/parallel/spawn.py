@@ -1,10 +1,10 @@
-"""Run a worker function on N real ranks (spawned processes, gloo), bounded in time.
+"""Run a function on N real ranks on this machine (spawned processes, gloo), bounded in time.
 
 Each rank runs `fn(rank, world_size, **kwargs)` in a fresh spawned process whose environment
-holds RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (so `setup_megatron` takes its env:// path),
-with one intra-op thread (the test machines have 2 cores). The return value (tensors, numbers,
+holds RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (so `env://` initialisation and
+`setup_megatron` find their peers), with one intra-op thread. The return value (tensors, numbers,
 strings, and lists, tuples or dicts of them) comes back through `torch.save` and is read with
-`weights_only=True`.
+`weights_only=True`. Used by the memory planner's `--measure` and by the distributed tests.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _run_rank(rank: int, world_size: int, port: int, fn: Callable, kwargs: dict,
     torch.set_num_threads(1)
     try:
         result = {"value": fn(rank, world_size, **kwargs)}
-    except BaseException:  # noqa: BLE001 - reported to the test process
+    except BaseException:  # noqa: BLE001 - reported to the parent process
         result = {"error": traceback.format_exc()}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     # Skip interpreter teardown (process groups with a dead peer can block in their destructors),
@@ -41,8 +41,8 @@ def _run_rank(rank: int, world_size: int, port: int, fn: Callable, kwargs: dict,
     os._exit(0)
 
 
-def spawn(world_size: int, fn: Callable, out_dir: str, timeout_s: float,
-          may_die: Iterable[int] = (), **kwargs: Any) -> list[Any]:
+def spawn_ranks(world_size: int, fn: Callable, out_dir: str, timeout_s: float,
+                may_die: Iterable[int] = (), **kwargs: Any) -> list[Any]:
     """Results of fn on ranks 0..world_size-1 (None for a rank in `may_die` that left none).
 
     Raises RuntimeError with the rank's traceback if a rank failed, and TimeoutError (after

@@ -580,6 +580,8 @@ def _check_override_path(path: list, text: str) -> None:
             raise _unknown_key(dotted, where, [f"moe.layer_overrides.{path[2]}.{k}"
                                                for k in _moe_field_types()])
         return
+    if path[:2] == ["finetune", "simoe"] and len(path) == 3:
+        return  # SIMoE's own fields: the simoe finetuning method checks their names
     if dotted not in known_keys():
         raise _unknown_key(dotted, where, known_keys())
 

@@ -16,8 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_quick_study_runs_every_method_and_counts_parameters(corpus_cache, tmp_path):
     out = tmp_path / "study"
-    done = subprocess.run([sys.executable, "tools/study_simoe.py", "--quick", "--out", str(out),
-                           "--cache-dir", str(corpus_cache)],
+    done = subprocess.run([sys.executable, "tools/study_simoe.py", "--quick", "--jobs", "2",
+                           "--out", str(out), "--cache-dir", str(corpus_cache)],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "study.json").read_text())
@@ -43,8 +43,21 @@ def test_quick_study_runs_every_method_and_counts_parameters(corpus_cache, tmp_p
         assert row["lr"] == 1e-3 and set(row["validation"]) == {"0.001"}
         assert 0.0 <= row["validation"]["0.001"] <= 1.0
         assert not any(family.startswith("valid") for family in row["per_family"])
+    assert result["mask_lr"] == pytest.approx(0.05) and result["jobs"] == 2
     assert all(line in done.stdout for line in
                (("HELD: " if c["held"] else "NOT HELD: ") + c["claim"] for c in result["claims"]))
+
+
+def test_simoe_masks_keep_their_own_rate_at_every_rate_of_the_grid():
+    from megamoe.train.config import load_config
+
+    study = tool_module("study_simoe")
+    for lr in (1e-3, 3e-3, 1e-2):
+        config = load_config(study.INSTRUCT_CONFIG, study.rate_overrides("simoe", lr))
+        assert (config.optimizer.lr, config.optimizer.min_lr) == (lr, pytest.approx(lr / 10))
+        # SIMoEConfig's mask_lr_scale 50 at configs/simoe_instruct.yaml's rate 1e-3
+        assert config.finetune.simoe["mask_lr_scale"] * lr == pytest.approx(0.05)
+    assert not any("simoe" in override for override in study.rate_overrides("full", 3e-3))
 
 
 def test_best_rate_is_the_best_on_validation_and_the_smaller_on_a_tie():

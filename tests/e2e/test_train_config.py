@@ -117,6 +117,17 @@ def test_yarn_overrides_reach_its_keys():
     assert config.model.yarn == {"factor": 40, "mscale_all_dim": 1}
 
 
+def test_simoe_overrides_reach_its_fields_and_a_typo_is_named():
+    seed = CONFIGS[[p.stem for p in CONFIGS].index("simoe_instruct")]
+    config = load_config(seed, ["finetune.simoe.orthogonality_coefficient=0.5",
+                                "finetune.simoe.router_temperature=[2, 1]"])
+    assert config.finetune.simoe == {"num_experts": 8, "target_sparsity": 0.75,
+                                     "orthogonality_coefficient": 0.5,
+                                     "router_temperature": [2, 1]}
+    with pytest.raises(ConfigError, match=r"finetune.simoe has unknown keys \['target'\]"):
+        load_config(seed, ["finetune.simoe.target=0.5"])
+
+
 def test_yaml_syntax_error_names_the_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  num_layers: [1,\n")

@@ -35,7 +35,7 @@ from megamoe.instruct.lora import lora_gpt
 from megamoe.megatron.masks import attention_mask_for
 from megamoe.simoe.config import SIMoEConfig
 from megamoe.simoe.model import SIMoEGPTModel, is_simoe_state
-from megamoe.train.config import TrainConfig
+from megamoe.train.config import TrainConfig, coerce_fields
 from megamoe.train.data import iterate_batches
 from megamoe.train.model import build_model, padded_vocab_size
 
@@ -114,6 +114,15 @@ class LoRAFinetuning(_DenseAdapter):
         return key.endswith(LORA_SUFFIXES)
 
 
+def _simoe_config(config: TrainConfig) -> SIMoEConfig:
+    """`finetune.simoe` as a SIMoEConfig: known field names, values of the fields' types."""
+    settings = config.finetune.simoe
+    known = {field.name for field in dataclasses.fields(SIMoEConfig)}
+    unknown = sorted(set(settings) - known)
+    _require(not unknown, f"finetune.simoe has unknown keys {unknown}; known: {sorted(known)}")
+    return SIMoEConfig(**coerce_fields(SIMoEConfig, settings, "finetune.simoe"))
+
+
 class SIMoEFinetuning(_DenseAdapter):
     """`simoe`: sparse interpolated experts (arXiv 2506.12597) over a dense GPT."""
 
@@ -121,16 +130,11 @@ class SIMoEFinetuning(_DenseAdapter):
 
     def check(self, config: TrainConfig) -> None:
         super().check(config)
-        settings = config.finetune.simoe
-        known = {field.name for field in dataclasses.fields(SIMoEConfig)}
-        unknown = sorted(set(settings) - known)
-        _require(not unknown,
-                 f"finetune.simoe has unknown keys {unknown}; known: {sorted(known)}")
-        SIMoEConfig(**settings)
+        _simoe_config(config)
 
     def build_model(self, config: TrainConfig, tc: TransformerConfig, vocab_size: int
                     ) -> list[torch.nn.Module]:
-        simoe = SIMoEConfig(**config.finetune.simoe)
+        simoe = _simoe_config(config)
         anneal_steps = simoe.router_anneal_steps or config.training.train_steps
         return [SIMoEGPTModel(tc, dataclasses.replace(simoe, router_anneal_steps=anneal_steps),
                               **_gpt_settings(config, vocab_size))]

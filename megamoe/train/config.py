@@ -446,7 +446,8 @@ def _type_name(kind: Any) -> str:
 
 
 def _coerce(value: Any, kind: Any, key: str) -> Any:
-    """`value` as type `kind` (int, float, bool, str, Optional, Union, list, dict), or raise."""
+    """`value` as type `kind` (int, float, bool, str, Optional, Union, list, tuple, dict), or
+    raise."""
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin is Union:
         if value is None and type(None) in args:
@@ -458,6 +459,8 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
                 continue
     elif origin is list and isinstance(value, (list, tuple)):
         return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    elif origin is tuple and isinstance(value, (list, tuple)) and len(value) == len(args):
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
     elif origin is dict or kind is dict:
         if isinstance(value, dict):
             return dict(value)
@@ -495,15 +498,21 @@ def _brief(value: Any) -> str:
     return _shown(_BRIEF.repr(value))
 
 
+def coerce_fields(kind: Any, raw: dict, prefix: str) -> dict:
+    """`raw`'s values as the types of dataclass `kind`'s fields of the same names (a value that
+    is not is a ConfigError naming `prefix.key`)."""
+    hints = typing.get_type_hints(kind)
+    return {key: _coerce(value, hints[key], f"{prefix}.{key}") for key, value in raw.items()}
+
+
 def _build_section(name: str, kind: Any, raw: Any, where: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"section '{name}' {where} must be a mapping, not {raw!r}")
     names = {f.name for f in dataclasses.fields(kind)}
-    hints = typing.get_type_hints(kind)
     for key in raw:
         if key not in names:
             raise _unknown_key(f"{name}.{key}", where, known_keys())
-    return kind(**{key: _coerce(value, hints[key], f"{name}.{key}") for key, value in raw.items()})
+    return kind(**coerce_fields(kind, raw, name))
 
 
 def _moe_fields(raw: dict, prefix: str, where: str) -> dict:

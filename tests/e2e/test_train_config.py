@@ -126,6 +126,11 @@ def test_simoe_overrides_reach_its_fields_and_a_typo_is_named():
                                      "router_temperature": [2, 1]}
     with pytest.raises(ConfigError, match=r"finetune.simoe has unknown keys \['target'\]"):
         load_config(seed, ["finetune.simoe.target=0.5"])
+    with pytest.raises(ConfigError, match=r"finetune.simoe.target_sparsity='abc' is not a valid "
+                                          r"float"):
+        load_config(seed, ["finetune.simoe.target_sparsity=abc"])
+    with pytest.raises(ConfigError, match=r"finetune.simoe.router_temperature\[1\]='x' is not"):
+        load_config(seed, ["finetune.simoe.router_temperature=[2, x]"])
 
 
 def test_yaml_syntax_error_names_the_line(tmp_path):

@@ -25,10 +25,11 @@ Two seeds (one with --quick), each with its own generated task set and tuning or
    tunes the other methods' weights (a mask rate scaled with the grid's drove the masks below
    their target: served density 0.177 for 0.25 at 3e-3).
 3. Each is scored by exact match on new examples of the seen families and on the unseen
-   families; the table has seen / unseen accuracy, trainable and inference parameters (active per
-   token or sequence, and stored) and wall time; SIMoE's learned masks are plotted (density per
-   layer and module type, pairwise overlap, as served) with its router's coefficients per task
-   family. The table gives the mean over seeds and each seed's figure.
+   families (200 of each family per seed; the claims give binomial standard errors); the table
+   has seen / unseen accuracy, trainable and inference parameters (active per token or
+   sequence, and stored) and wall time; SIMoE's learned masks are plotted (density per layer
+   and module type, pairwise overlap, as served) with its router's coefficients per task family.
+   The table gives the mean over seeds and each seed's figure.
 Claims, each printed as held or not (on the means): SIMoE generalises to unseen families at least
 as well as full fine-tuning; it beats LoRA of as many trainable parameters on the seen families;
 its served masks reach the target sparsity (within 0.02); different families get
@@ -62,7 +63,9 @@ SEED_CONFIG = ROOT / "configs" / "simoe_dense_seed.yaml"
 INSTRUCT_CONFIG = ROOT / "configs" / "simoe_instruct.yaml"
 MOE = {"experts": 4, "topk": 2}
 METHODS = ("simoe", "full", "lora", "sparse_upcycling")
-FULL = {"seed_steps": 500, "tune_epochs": 5, "per_family_train": 300, "per_family_eval": 40,
+# 200 evaluation examples per family and seed: at 40, the unseen comparison turned on 2 of 320
+# examples, well inside its binomial standard error (about 0.011).
+FULL = {"seed_steps": 500, "tune_epochs": 5, "per_family_train": 300, "per_family_eval": 200,
         "per_family_valid": 40, "seeds": 2, "learning_rates": (1.0e-3, 3.0e-3, 1.0e-2)}
 QUICK = {"seed_steps": 4, "tune_steps": 3, "per_family_train": 4, "per_family_eval": 2,
          "per_family_valid": 2, "seeds": 1, "learning_rates": (1.0e-3,)}
@@ -124,7 +127,8 @@ def study(quick: bool, jobs: int, learning_rates: tuple[float, ...] = ()) -> dic
     chosen = {method: (first["rows"][method]["lr"],) for method in METHODS}
     replicates = [first, *(replicate(sizes, seed, chosen, rank, jobs)
                            for seed in range(1, sizes["seeds"]))]
-    return {**summarise(replicates, quick, tune_steps(sizes)), "learning_rates": list(grid),
+    return {**summarise(replicates, quick, tune_steps(sizes), sizes["per_family_eval"]),
+            "learning_rates": list(grid),
             "mask_lr": simoe_mask_lr(), "delta_parameters": delta, "lora_rank": rank,
             "jobs": jobs}
 
@@ -339,9 +343,18 @@ def table_rows(arms: dict) -> dict:
     return rows
 
 
-def summarise(replicates: list[dict], quick: bool, steps: int) -> dict:
+def standard_error(per_seed: list[float], examples: int) -> float:
+    """Binomial standard error of the mean over seeds of exact-match rates, each measured on
+    `examples` examples."""
+    return math.sqrt(sum(p * (1 - p) / examples for p in per_seed)) / len(per_seed)
+
+
+def summarise(replicates: list[dict], quick: bool, steps: int, per_family_eval: int) -> dict:
     """The mean over seeds of each method's exact match (each seed's beside it) and of each
-    mask statistic; the claims are judged on the means."""
+    mask statistic; the claims are judged on the means (the exact-match ones show their
+    binomial standard errors, `per_family_eval` examples of each family per seed)."""
+    from megamoe.instruct import tasks
+
     first = replicates[0]
     rows = {name: {**row, **{key: fmean([r["rows"][name][key] for r in replicates])
                             for key in ("seen", "unseen", "seconds")},
@@ -357,13 +370,22 @@ def summarise(replicates: list[dict], quick: bool, steps: int) -> dict:
     spread = fmean([_total_variation(list(m["coefficients"].values())) for m in masks])
     target = first["masks"]["target_density"]
     simoe, full, lora, moe = (rows[k] for k in ("simoe", "full", "lora", "sparse_upcycling"))
+    examples = {"seen": per_family_eval * len(tasks.SEEN_FAMILIES),
+                "unseen": per_family_eval * len(tasks.UNSEEN_FAMILIES)}
+
+    def match(row: dict, split: str) -> str:
+        error = standard_error(row[f"{split}_per_seed"], examples[split])
+        return f"{row[split]:.3f} +- {error:.3f}"
+
     claims = [
         ("SIMoE generalises to unseen task families at least as well as full fine-tuning",
          simoe["unseen"] >= full["unseen"],
-         f"unseen exact match {simoe['unseen']:.3f} vs {full['unseen']:.3f}"),
+         f"unseen exact match {match(simoe, 'unseen')} vs {match(full, 'unseen')}; "
+         f"+- the binomial standard error, {examples['unseen']} examples per seed"),
         ("SIMoE beats LoRA with as many trainable parameters on the seen task families",
          simoe["seen"] > lora["seen"],
-         f"seen exact match {simoe['seen']:.3f} vs {lora['seen']:.3f}"),
+         f"seen exact match {match(simoe, 'seen')} vs {match(lora, 'seen')}; "
+         f"+- the binomial standard error, {examples['seen']} examples per seed"),
         ("SIMoE's masks reach the target sparsity (density within 0.02 of the target)",
          abs(mean_density - target) <= 0.02,
          f"mean served density {mean_density:.3f} (expected L0 {expected_density:.3f}), "

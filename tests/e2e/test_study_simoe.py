@@ -44,6 +44,7 @@ def test_quick_study_runs_every_method_and_counts_parameters(corpus_cache, tmp_p
         assert 0.0 <= row["validation"]["0.001"] <= 1.0
         assert not any(family.startswith("valid") for family in row["per_family"])
     assert result["mask_lr"] == pytest.approx(0.05) and result["jobs"] == 2
+    assert "examples per seed" in result["claims"][0]["evidence"]
     assert all(line in done.stdout for line in
                (("HELD: " if c["held"] else "NOT HELD: ") + c["claim"] for c in result["claims"]))
 
@@ -64,6 +65,14 @@ def test_best_rate_is_the_best_on_validation_and_the_smaller_on_a_tie():
     study = tool_module("study_simoe")
     assert study.best_rate({1e-3: 0.2, 3e-3: 0.5, 1e-2: 0.1}) == 3e-3
     assert study.best_rate({3e-3: 0.4, 1e-3: 0.4}) == 1e-3
+
+
+def test_standard_error_is_the_binomial_one_of_the_mean_over_seeds():
+    study = tool_module("study_simoe")
+    assert study.standard_error([0.5], 100) == pytest.approx(0.05)  # sqrt(0.25 / 100)
+    # two seeds: sqrt(0.1 * 0.9 / 100 + 0.3 * 0.7 / 100) / 2
+    assert study.standard_error([0.1, 0.3], 100) == pytest.approx(0.0273861, rel=1e-5)
+    assert study.standard_error([0.0, 1.0], 40) == 0.0
 
 
 @pytest.mark.parametrize("flag", [["--learning-rates", "1e-3,x"], ["--learning-rates", "0"],

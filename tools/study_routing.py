@@ -48,6 +48,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -439,29 +440,22 @@ def publish(work: Path, out: Path) -> None:
     work.rename(out)
 
 
-def main(argv=None) -> int:
-    args = study_arguments("study_routing", VARIANTS, __doc__.split("\n")[0], argv)
+def failed_note(failed: list[str]) -> str:
+    """The settings' sentence naming the variants that failed (empty when none did)."""
+    return f" FAILED variants (not in the table): {', '.join(failed)}." if failed else ""
+
+
+def run_study(args: argparse.Namespace, variants: dict, base_config: dict, report,
+              verdict) -> int:
+    """Train a variant study's `args.names` in a work folder beside `args.out`, have
+    `report(work, folders, failed, steps, seconds)` write its study.md, study.json and plots
+    there and return its claims, publish the folder as `args.out` and print each claim with
+    `verdict(held)`; exit status 1 when a variant failed."""
     out, work = study_folder(args.out)
     try:
         started = time.perf_counter()
-        folders, failed, steps = train_variants(args, VARIANTS, BASE_CONFIG, work)
-        all_records = {n: read_metrics(folder) for n, folder in folders.items()}
-        rows = {n: summarise(r) for n, r in all_records.items()}
-        results = claims(rows)
-        training_s = sum(sum(series(records, "step_time_s")) for records in all_records.values())
-        settings = (f"{'QUICK (pipeline check only) ' if args.quick else ''}{len(args.names)} "
-                    f"variants x {steps} steps, {training_s:.0f} s of training steps in all "
-                    f"(this invocation {time.perf_counter() - started:.0f} s, {args.jobs} at a "
-                    "time, finished runs reused); "
-                    f"base config `base.yaml` (same seed and data order for every variant), "
-                    f"per-variant overrides in `study.json`."
-                    + (f" FAILED variants (not in the table): {', '.join(failed)}." if failed
-                       else ""))
-        floor = sampling_floor(next(iter(folders.values())))
-        (work / "study.md").write_text(markdown(rows, results, settings, floor))
-        (work / "study.json").write_text(study_json(settings, BASE_CONFIG, VARIANTS, rows,
-                                                    results, sampling_floor=floor))
-        plot(all_records, work)
+        folders, failed, steps = train_variants(args, variants, base_config, work)
+        results = report(work, folders, failed, steps, time.perf_counter() - started)
         publish(work, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -469,6 +463,31 @@ def main(argv=None) -> int:
         print(f"{verdict(held)}: {claim} ({numbers})")
     print(f"study written to {out}/study.md")
     return 1 if failed else 0
+
+
+def report(args: argparse.Namespace, work: Path, folders: dict[str, Path], failed: list[str],
+           steps: int, seconds: float) -> list:
+    """The routing study's study.md, study.json and plots in `work`; its claims."""
+    all_records = {n: read_metrics(folder) for n, folder in folders.items()}
+    rows = {n: summarise(r) for n, r in all_records.items()}
+    results = claims(rows)
+    training_s = sum(sum(series(records, "step_time_s")) for records in all_records.values())
+    settings = (f"{'QUICK (pipeline check only) ' if args.quick else ''}{len(args.names)} "
+                f"variants x {steps} steps, {training_s:.0f} s of training steps in all "
+                f"(this invocation {seconds:.0f} s, {args.jobs} at a time, finished runs "
+                "reused); base config `base.yaml` (same seed and data order for every "
+                "variant), per-variant overrides in `study.json`." + failed_note(failed))
+    floor = sampling_floor(next(iter(folders.values())))
+    (work / "study.md").write_text(markdown(rows, results, settings, floor))
+    (work / "study.json").write_text(study_json(settings, BASE_CONFIG, VARIANTS, rows, results,
+                                                sampling_floor=floor))
+    plot(all_records, work)
+    return results
+
+
+def main(argv=None) -> int:
+    args = study_arguments("study_routing", VARIANTS, __doc__.split("\n")[0], argv)
+    return run_study(args, VARIANTS, BASE_CONFIG, partial(report, args), verdict)
 
 
 if __name__ == "__main__":

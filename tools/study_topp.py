@@ -29,15 +29,14 @@ written atomically. `--quick` (CI) trains a few steps: it checks the pipeline, n
 from __future__ import annotations
 
 import copy
-import shutil
 import statistics
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 from study_routing import BASE_CONFIG as ROUTING_BASE
-from study_routing import (layers_of, publish, read_metrics, series, study_arguments,
-                           study_folder, study_json, train_variants)
+from study_routing import (failed_note, layers_of, read_metrics, run_study, series,
+                           study_arguments, study_json)
 
 TAIL = 50  # steps averaged for "at the end of training"
 PAPER_P = 0.4  # the paper's and its code's threshold
@@ -251,36 +250,29 @@ def plot(all_records: dict[str, list[dict]], rows: dict[str, dict], out: Path) -
     save(fig, "heldout_loss")
 
 
+def report(args, work: Path, folders: dict[str, Path], failed: list[str], steps: int,
+           seconds: float) -> list:
+    """The top-p study's study.md, study.json and plots in `work`; its claims."""
+    all_records = {n: read_metrics(folder) for n, folder in folders.items()}
+    rows = {n: summarise(r) for n, r in all_records.items()}
+    results = claims(rows)
+    tokens = BASE_CONFIG["training"]["global_batch_size"] * BASE_CONFIG["model"]["seq_length"]
+    settings = (f"{'QUICK (pipeline check only) ' if args.quick else ''}{len(args.names)} "
+                f"variants x {steps} steps ({steps * tokens / 1e6:.1f}M tokens each unless "
+                f"quick), trained {args.jobs} at a time in {seconds:.0f} s (finished runs "
+                "reused); base config `base.yaml` (same seed and data order for every "
+                "variant), per-variant overrides in `study.json`. The paper's figures come "
+                "after about 60B tokens; this study shows the direction at CPU scale."
+                + failed_note(failed))
+    (work / "study.md").write_text(markdown(rows, results, settings))
+    (work / "study.json").write_text(study_json(settings, BASE_CONFIG, VARIANTS, rows, results))
+    plot(all_records, rows, work)
+    return results
+
+
 def main(argv=None) -> int:
     args = study_arguments("study_topp", VARIANTS, __doc__.split("\n")[0], argv)
-    out, work = study_folder(args.out)
-    try:
-        started = time.perf_counter()
-        folders, failed, steps = train_variants(args, VARIANTS, BASE_CONFIG, work)
-        all_records = {n: read_metrics(folder) for n, folder in folders.items()}
-        rows = {n: summarise(r) for n, r in all_records.items()}
-        results = claims(rows)
-        tokens = BASE_CONFIG["training"]["global_batch_size"] * BASE_CONFIG["model"]["seq_length"]
-        settings = (f"{'QUICK (pipeline check only) ' if args.quick else ''}{len(args.names)} "
-                    f"variants x {steps} steps ({steps * tokens / 1e6:.1f}M tokens each unless "
-                    f"quick), trained {args.jobs} at a time in "
-                    f"{time.perf_counter() - started:.0f} s (finished runs reused); base config "
-                    "`base.yaml` (same seed and data order for every variant), per-variant "
-                    "overrides in `study.json`. The paper's figures come after about 60B "
-                    "tokens; this study shows the direction at CPU scale."
-                    + (f" FAILED variants (not in the table): {', '.join(failed)}." if failed
-                       else ""))
-        (work / "study.md").write_text(markdown(rows, results, settings))
-        (work / "study.json").write_text(study_json(settings, BASE_CONFIG, VARIANTS, rows,
-                                                    results))
-        plot(all_records, rows, work)
-        publish(work, out)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    for claim, held, numbers in results:
-        print(f"{verdict(held)}: {claim} ({numbers})")
-    print(f"study written to {out}/study.md")
-    return 1 if failed else 0
+    return run_study(args, VARIANTS, BASE_CONFIG, partial(report, args), verdict)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tool_modules import tool_module
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,8 +57,9 @@ def test_iid_floor_shrinks_with_the_square_root_of_the_tokens():
     assert 3.0 < small / large < 5.5  # sqrt(16) = 4, up to sampling noise
 
 
-def test_unknown_variant_is_one_line_exit_2(tmp_path):
-    done = subprocess.run([sys.executable, "tools/study_routing.py", "--variants", "nope",
+@pytest.mark.parametrize("tool", ["study_routing", "study_topp"])  # their shared command line
+def test_unknown_variant_is_one_line_exit_2(tool, tmp_path):
+    done = subprocess.run([sys.executable, f"tools/{tool}.py", "--variants", "nope",
                            "--out", str(tmp_path / "x")], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 2

@@ -47,12 +47,3 @@ def test_top_k_line_interpolates_between_top1_and_top2():
     row = {"heldout_loss": 3.5, "experts_per_token": 1.25}
     ((claim, held, numbers),) = study.claims({**rows, "top_p0.3": row})
     assert held is True and "3.7500" in numbers  # 3.5 below the line's 3.75
-
-
-def test_unknown_variant_is_one_line_exit_2(tmp_path):
-    done = subprocess.run([sys.executable, "tools/study_topp.py", "--variants", "nope",
-                           "--out", str(tmp_path / "x")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 2
-    assert done.stderr.count("\n") == 1 and "nope" in done.stderr
-    assert not (tmp_path / "x").exists()

@@ -1,6 +1,7 @@
 """SIMoE study: instruction-tune one small dense model four ways and check SIMoE's claims.
 
-    python tools/study_simoe.py [--out runs/study_simoe] [--quick] [--jobs N] [--cache-dir DIR]
+    python tools/study_simoe.py [--out runs/study_simoe] [--quick] [--jobs N] [--runs DIR]
+                                [--cache-dir DIR]
 
 Results go to runs/ unless `--out` says otherwise; the published full study is
 `--out docs/study_simoe`, so a `--quick` check never overwrites it.
@@ -35,16 +36,20 @@ as well as full fine-tuning; it beats LoRA of as many trainable parameters on th
 its served masks reach the target sparsity (within 0.02); different families get
 different merging coefficients; its masks overlap less than independent masks of the same
 density would. Nothing is tuned towards them. Writes OUT/study.md, OUT/study.json and the PNGs
-atomically; the runs train in a temporary folder that is removed. `--quick` (CI) runs every step
-at a few iterations: it checks the pipeline, not the claims.
+atomically; the runs train in a temporary folder that is removed, or with `--runs DIR` in
+DIR/seed<k>, kept, where a rerun (after a crash, say) reuses every run that finished with the
+same command. `--quick` (CI) runs every step at a few iterations: it checks the pipeline, not
+the claims.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,6 +57,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import fmean
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -73,11 +79,23 @@ MIN_LR_RATIO = 0.1  # optimizer.min_lr = this x the run's learning rate (the con
 SEED_BASE = 1234  # training.seed of replicate 0 (the trainer's default); replicate k: + k
 CACHE: list[str] = []  # the data.cache_dir override of every run (--cache-dir)
 RUN_ENV = {"TORCHDYNAMO_DISABLE": "1"}  # + OMP_NUM_THREADS when runs share the cores (--jobs)
+SIZES_STAMP = "study_sizes.json"  # in each --runs seed folder: the sizes its runs trained at
 _TRAINABLE = re.compile(r"([\d,]+) of ([\d,]+) parameters train")
 
 
-def run(command: list[str], label: str) -> tuple[str, float]:
-    """Run a megamoe command to completion; its stdout and wall seconds (exit 2 on failure)."""
+def run(command: list[str], label: str, output: Path) -> tuple[str, float]:
+    """Run a megamoe command that writes `output` to completion; its stdout and wall seconds
+    (exit 2 on failure). Both are kept in `output`.study_run.json, written last: a later study
+    in the same --runs folder reuses a run whose record holds the same command, and starts any
+    other over."""
+    record = output.with_name(output.name + ".study_run.json")
+    if record.is_file():
+        kept = json.loads(record.read_text())
+        if kept.get("command") == command:
+            print(f"[{label}] reusing the finished run in {output}", flush=True)
+            return kept["stdout"], kept["seconds"]
+        record.unlink()
+    shutil.rmtree(output, ignore_errors=True)
     print(f"[{label}] {' '.join(command[1:])}", flush=True)
     started = time.perf_counter()
     done = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True,
@@ -87,6 +105,10 @@ def run(command: list[str], label: str) -> tuple[str, float]:
         sys.stderr.write(f"[{label}] failed (exit {done.returncode}):\n{done.stderr[-3000:]}\n")
         sys.exit(2)
     print(f"[{label}] done in {seconds:.0f} s", flush=True)
+    partial = record.with_name(record.name + ".partial")
+    partial.write_text(json.dumps({"command": command, "stdout": done.stdout,
+                                   "seconds": seconds}))
+    os.replace(partial, record)
     return done.stdout, seconds
 
 
@@ -94,7 +116,7 @@ def train(config: Path, out: Path, overrides: list[str], label: str) -> tuple[di
     """One training run; (its last metrics record, stdout, seconds)."""
     stdout, seconds = run(["-m", "megamoe.train", "--config", str(config), f"output_dir={out}",
                            "logging.progress_bar=false", "logging.tensorboard=false",
-                           *CACHE, *overrides], label)
+                           *CACHE, *overrides], label, out)
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     return last, stdout, seconds
 
@@ -117,15 +139,17 @@ def tune_steps(sizes: dict) -> int:
     return math.ceil(sizes["tune_epochs"] * examples / batch)
 
 
-def study(quick: bool, jobs: int, learning_rates: tuple[float, ...] = ()) -> dict:
-    """Every seed of the study; the first chooses each method's learning rate."""
+def study(quick: bool, jobs: int, learning_rates: tuple[float, ...] = (),
+          runs: Path | None = None) -> dict:
+    """Every seed of the study, trained in `runs` (reusing its finished runs) or in temporary
+    folders; the first seed chooses each method's learning rate."""
     sizes = QUICK if quick else FULL
     grid = tuple(learning_rates) or sizes["learning_rates"]
     delta = simoe_delta_parameters()
     rank = lora_rank_for(delta)
-    first = replicate(sizes, 0, {method: grid for method in METHODS}, rank, jobs)
+    first = replicate(sizes, 0, {method: grid for method in METHODS}, rank, jobs, runs)
     chosen = {method: (first["rows"][method]["lr"],) for method in METHODS}
-    replicates = [first, *(replicate(sizes, seed, chosen, rank, jobs)
+    replicates = [first, *(replicate(sizes, seed, chosen, rank, jobs, runs)
                            for seed in range(1, sizes["seeds"]))]
     return {**summarise(replicates, quick, tune_steps(sizes), sizes["per_family_eval"]),
             "learning_rates": list(grid),
@@ -155,16 +179,39 @@ def rate_overrides(method: str, lr: float) -> list[str]:
     return overrides
 
 
+def foreign_folders(runs: Path, seeds: int) -> list[Path]:
+    """Seed folders under `runs` that exist but are not a study's (never touched)."""
+    folders = (runs / f"seed{seed}" for seed in range(seeds))
+    return [folder for folder in folders
+            if folder.exists() and not (folder / SIZES_STAMP).is_file()]
+
+
+@contextlib.contextmanager
+def seed_folder(runs: Path | None, seed: int, sizes: dict) -> Iterator[Path]:
+    """Where one seed trains: a temporary folder, removed afterwards, or runs/seed{seed}, kept
+    (emptied first when it holds a study of other sizes)."""
+    if runs is None:
+        with tempfile.TemporaryDirectory(prefix="study_simoe_") as tmp:
+            yield Path(tmp)
+        return
+    folder, wanted = runs / f"seed{seed}", json.dumps(sizes, sort_keys=True)
+    stamp = folder / SIZES_STAMP
+    if stamp.is_file() and stamp.read_text() != wanted:
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(wanted)
+    yield folder
+
+
 def replicate(sizes: dict, seed: int, rates: dict[str, tuple[float, ...]], rank: int,
-              jobs: int) -> dict:
+              jobs: int, runs: Path | None) -> dict:
     """One seed of the study: its own task set and dense seed model; each method tuned at each
     of its `rates`, the run best on the validation split kept."""
     from megamoe.instruct import tasks
 
     label = f"seed {seed}: "
     seeded = [f"training.seed={SEED_BASE + seed}"]
-    with tempfile.TemporaryDirectory(prefix="study_simoe_") as tmp:
-        work = Path(tmp)
+    with seed_folder(runs, seed, sizes) as work:
         data = tasks.write_instruction_set(work / "data", sizes["per_family_train"],
                                            sizes["per_family_eval"], seed=seed,
                                            per_family_valid=sizes["per_family_valid"])
@@ -173,7 +220,8 @@ def replicate(sizes: dict, seed: int, rates: dict[str, tuple[float, ...]], rank:
                                    label + "dense seed")
         run(["tools/upcycle_ckpt.py", "--load", str(work / "seed" / "checkpoints"),
              "--save", str(work / "upcycled"), "--num-experts", str(MOE["experts"]),
-             "--topk", str(MOE["topk"]), "--no-progress"], label + "sparse upcycling")
+             "--topk", str(MOE["topk"]), "--no-progress"], label + "sparse upcycling",
+            work / "upcycled")
         tune = [f"training.train_steps={tune_steps(sizes)}", *seeded,
                 f"finetune.train_data={data['train']}",
                 "finetune.eval_data=[" + ",".join(str(data[split]) for split in
@@ -506,6 +554,9 @@ def main(argv=None) -> int:
                              "on the first seed's validation split (default 1e-3,3e-3,1e-2, "
                              "the config's rate and factors of 3 above it; quick: 1e-3)")
     parser.add_argument("--cache-dir", help="data.cache_dir of every run (the default corpus)")
+    parser.add_argument("--runs", help="train here (one folder per seed, kept afterwards); a "
+                                       "rerun reuses every run that finished with the same "
+                                       "command")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         print(f"study_simoe: --jobs {args.jobs} must be >= 1", file=sys.stderr)
@@ -519,7 +570,13 @@ def main(argv=None) -> int:
         CACHE.append(f"data.cache_dir={args.cache_dir}")
     if args.jobs > 1:
         RUN_ENV["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.jobs))
-    result = study(args.quick, args.jobs, rates)
+    runs = Path(args.runs).resolve() if args.runs else None
+    foreign = foreign_folders(runs, (QUICK if args.quick else FULL)["seeds"]) if runs else []
+    if foreign:
+        print(f"study_simoe: --runs {args.runs}: {foreign[0]} is not a study_simoe seed folder; "
+              "pick another --runs", file=sys.stderr)
+        return 2
+    result = study(args.quick, args.jobs, rates, runs)
     write(result, Path(args.out))
     for claim in result["claims"]:
         print(f"{'HELD' if claim['held'] else 'NOT HELD'}: {claim['claim']} ({claim['evidence']})")

@@ -14,11 +14,16 @@ from tool_modules import tool_module
 REPO = Path(__file__).resolve().parents[2]
 
 
+def quick_study(out: Path, runs: Path, corpus_cache) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "tools/study_simoe.py", "--quick", "--jobs", "2",
+                           "--out", str(out), "--runs", str(runs), "--cache-dir",
+                           str(corpus_cache)], cwd=REPO, capture_output=True, text=True,
+                          timeout=900)
+
+
 def test_quick_study_runs_every_method_and_counts_parameters(corpus_cache, tmp_path):
     out = tmp_path / "study"
-    done = subprocess.run([sys.executable, "tools/study_simoe.py", "--quick", "--jobs", "2",
-                           "--out", str(out), "--cache-dir", str(corpus_cache)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    done = quick_study(out, tmp_path / "runs", corpus_cache)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "study.json").read_text())
     assert {p.name for p in out.iterdir()} >= {"study.md", "study.json", "mask_density.png",
@@ -47,6 +52,25 @@ def test_quick_study_runs_every_method_and_counts_parameters(corpus_cache, tmp_p
     assert "examples per seed" in result["claims"][0]["evidence"]
     assert all(line in done.stdout for line in
                (("HELD: " if c["held"] else "NOT HELD: ") + c["claim"] for c in result["claims"]))
+    # A rerun in the same --runs folder trains nothing (dense seed, upcycling and 4 tunings
+    # reused) and reports the same study.
+    again = quick_study(tmp_path / "again", tmp_path / "runs", corpus_cache)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("reusing the finished run") == 6 and "] done in" not in again.stdout
+    assert json.loads((tmp_path / "again" / "study.json").read_text()) == result
+
+
+def test_runs_folder_that_is_not_a_study_is_refused_untouched(tmp_path):
+    mine = tmp_path / "runs" / "seed0" / "notes.txt"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("mine")
+    done = subprocess.run([sys.executable, "tools/study_simoe.py", "--quick", "--runs",
+                           str(tmp_path / "runs"), "--out", str(tmp_path / "x")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "seed0" in done.stderr and mine.read_text() == "mine"
+    assert not (tmp_path / "x").exists() and sorted(tmp_path.rglob("*")) == [
+        tmp_path / "runs", mine.parent, mine]
 
 
 def test_simoe_masks_keep_their_own_rate_at_every_rate_of_the_grid():

@@ -417,7 +417,7 @@ def _verify(out: Path, folder: Path, sections: dict, log: Callable[[str], None])
     hf = load_hf_model(out)
     tokens = sample_tokens(hf.config.vocab_size)
     reference = hf_logits(hf, tokens)
-    hf.generate(tokens[:1, :8], max_new_tokens=4, do_sample=False)
+    hf.generate(tokens[:1, :8].to(hf.device), max_new_tokens=4, do_sample=False)
     ours = megamoe_logits(folder, {**sections, "vocab_size": reference.shape[-1]}, tokens)
     diff = float((reference - ours).abs().max())
     log(f"verify: max |logit diff| megamoe vs transformers = {diff:.3e} (bar "

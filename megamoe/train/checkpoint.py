@@ -286,7 +286,8 @@ def save_checkpoint(ckpt_dir: str | Path, state: TrainState, model: torch.nn.Mod
 def _refuse_nonfinite(model: torch.nn.Module, step: int) -> None:
     """A DivergenceError (on every rank alike) if any rank holds a NaN or Inf parameter."""
     bad = first_nonfinite_parameter(model)
-    flag = torch.tensor([0.0 if bad is None else 1.0])
+    # on the parameters' device: NCCL reduces CUDA tensors only
+    flag = torch.tensor([0.0 if bad is None else 1.0], device=next(model.parameters()).device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item():
         where = describe_module(bad) if bad is not None else "a parameter on another rank"

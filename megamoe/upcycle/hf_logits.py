@@ -1,8 +1,9 @@
-"""Logits of a Hugging Face model (transformers, fp32, CPU) against a megamoe checkpoint's.
+"""Logits of a Hugging Face model (transformers, fp32) against a megamoe checkpoint's, both on
+the GPU where there is one, else on the CPU (`megamoe.upcycle.verify.compute_device`).
 
 The megamoe side is the training model itself: `megamoe.train.model.build_model` from the
 checkpoint's `model`/`moe` config sections (Megatron-Core GPTModel with megamoe MoE layers),
-loaded through `megamoe.train.checkpoint.load_model_weights`, at world size 1 on CPU. So a
+loaded through `megamoe.train.checkpoint.load_model_weights`, at world size 1. So a
 passing check also proves that `python -m megamoe.train ... checkpoint.init_from=CKPT` starts
 from these weights. The Hugging Face side is `AutoModelForCausalLM.from_pretrained` with eager
 attention: the architecture's own reference code.
@@ -24,13 +25,17 @@ def sample_tokens(vocab_size: int, seq_len: int = SEQ_LEN) -> torch.Tensor:
 def load_hf_model(directory: Path):
     from transformers import AutoModelForCausalLM
 
+    from megamoe.upcycle.verify import compute_device
+
     return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32,
-                                                attn_implementation="eager").eval()
+                                                attn_implementation="eager").to(
+                                                    compute_device()).eval()
 
 
 def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [B, S, V], on the CPU, of a transformers model for `tokens`."""
     with torch.no_grad():
-        return model(tokens).logits.float()
+        return model(tokens.to(model.device)).logits.float().cpu()
 
 
 def megamoe_logits(checkpoint_dir: Path, sections: dict, tokens: torch.Tensor,
@@ -40,11 +45,11 @@ def megamoe_logits(checkpoint_dir: Path, sections: dict, tokens: torch.Tensor,
     (every rank of the world computes the same batch)."""
     from megatron.core import parallel_state
 
-    from megamoe.megatron.masks import causal_attention_mask
     from megamoe.megatron.runtime import setup_megatron, teardown_megatron
     from megamoe.train.checkpoint import load_model_weights
     from megamoe.train.config import config_from_dict
     from megamoe.train.model import build_model, transformer_config
+    from megamoe.upcycle.verify import compute_device, gpt_logits
 
     model_section = {**sections["model"], "seq_length": max(tokens.shape[1],
                                                              sections["model"].get("seq_length", 1))}
@@ -56,12 +61,8 @@ def megamoe_logits(checkpoint_dir: Path, sections: dict, tokens: torch.Tensor,
     try:
         (model,) = build_model(config, transformer_config(config, on_cuda=False, bf16=False),
                                vocab_size=sections["vocab_size"])
-        load_model_weights(checkpoint_dir, model, config)
-        model.eval()
-        seq = tokens.shape[1]
-        with torch.no_grad():
-            return model(tokens, torch.arange(seq).expand_as(tokens),
-                         causal_attention_mask(seq)).float()
+        load_model_weights(checkpoint_dir, model.to(compute_device()), config)
+        return gpt_logits(model.eval(), tokens)
     finally:
         if own_state:
             teardown_megatron()

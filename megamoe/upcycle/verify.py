@@ -1,4 +1,5 @@
-"""Compare a dense checkpoint's logits with its upcycled MoE checkpoint's, in fp32 on CPU.
+"""Compare a dense checkpoint's logits with its upcycled MoE checkpoint's, in fp32 (on the
+GPU where there is one, else on the CPU).
 
 The dense model is a Megatron-Core GPTModel (local spec). A torch_dist source is loaded by
 Megatron's own `dist_checkpointing.load` (with megamoe's restricted unpicklers); a legacy source from the upcycler's merged global
@@ -52,7 +53,7 @@ def build_reference_gpt(arch: DenseArch, moe_settings: dict | None):
             moe_grouped_gemm=False, qk_layernorm=arch.qk_layernorm,
             normalization=arch.normalization)
     return GPTModel(config=config, transformer_layer_spec=spec, pre_process=True,
-                    post_process=True, **arch.gpt).eval()
+                    post_process=True, **arch.gpt).to(compute_device()).eval()
 
 
 def load_dist_weights(model, directory: Path, key_layout: str) -> None:
@@ -88,13 +89,24 @@ def _module_key(prefix: str, suffix: str, module_keys: set[str]) -> str:
     return prefix + suffix
 
 
-def gpt_logits(model, tokens: torch.Tensor) -> torch.Tensor:
-    from megamoe.megatron.masks import causal_attention_mask
+def compute_device() -> torch.device:
+    """Where a verification runs its models: the current CUDA device where there is one
+    (Megatron-Core's modules allocate their buffers there), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
 
+
+def gpt_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [B, S, V], on the CPU, of a GPTModel for `tokens` at positions 0..S-1, run
+    on the device of the model's weights with that device's causal mask."""
+    from megamoe.megatron.masks import attention_mask_for
+
+    device = next(model.parameters()).device
+    tokens = tokens.to(device)
     seq = tokens.shape[1]
-    positions = torch.arange(seq).expand_as(tokens)
+    positions = torch.arange(seq, device=device).expand_as(tokens)
     with torch.no_grad():
-        return model(tokens, positions, causal_attention_mask(seq)).float()
+        return model(tokens, positions, attention_mask_for(seq, device.type == "cuda")).float().cpu()
 
 
 def max_logit_difference(source: DenseSource, checkpoint_dir: Path, record: dict,
@@ -105,7 +117,7 @@ def max_logit_difference(source: DenseSource, checkpoint_dir: Path, record: dict
     from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 
     if record["recipe"]["target_spec"] != "local":
-        raise ConfigError("--verify builds Megatron's local-spec models on CPU; it cannot check a "
+        raise ConfigError("--verify builds Megatron's local-spec models; it cannot check a "
                           "--target-spec te checkpoint (load it in a Transformer Engine run)")
     arch = dense_arch(source, record, overrides)
     own_state = not parallel_state.model_parallel_is_initialized()

@@ -21,7 +21,7 @@ def test_shared_expert_on_side_stream_matches_cpu():
     x = torch.randn(32, 4, 64)
     outputs, grads = [], []
     for layer, device in ((layer_cpu, "cpu"), (layer_gpu, "cuda")):
-        x_dev = x.to(device).requires_grad_()
+        x_dev = x.to(device, copy=True).requires_grad_()  # a leaf of its own on each device
         y = layer(x_dev)[0]
         y.square().sum().backward()
         outputs.append(y.detach().cpu())

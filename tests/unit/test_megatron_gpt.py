@@ -1,16 +1,19 @@
-"""megamoe layers inside a Megatron-Core GPTModel on CPU."""
+"""megamoe layers inside a Megatron-Core GPTModel, on the GPU where there is one (gpu_check.sh
+runs them there), else on the CPU."""
 import pytest
 import torch
 
 from megamoe.balancing import step_balancing
 from tiny_models import build_gpt, tiny_transformer_config
-from megamoe.megatron.masks import causal_attention_mask
+from megamoe.megatron.masks import attention_mask_for
 from megamoe.megatron.moe_module import MegatronMoELayer
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 from megamoe.megatron.specs import (decoder_block_spec, gpt_decoder_block_spec, layer_spec,
                                     moe_layer_pattern)
 
 VOCAB, SEQ = 64, 16
+ON_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -31,18 +34,22 @@ def lm_batch(seed):
     gen = torch.Generator().manual_seed(seed)
     start = torch.randint(0, VOCAB, (8, 1), generator=gen)
     tokens = (start + torch.arange(SEQ + 1)) % VOCAB  # learnable: next token = token + 1
-    return tokens[:, :-1], tokens[:, 1:]
+    return tokens[:, :-1].to(DEVICE), tokens[:, 1:].to(DEVICE)
+
+
+def gpt(config, spec):
+    """A tiny GPTModel with `spec`'s layers on DEVICE."""
+    return build_gpt(config, spec, vocab_size=VOCAB, seq_len=SEQ).to(DEVICE)
 
 
 def lm_loss(model, tokens, labels):
-    position_ids = torch.arange(SEQ).expand(tokens.shape[0], -1)
-    return model(tokens, position_ids, causal_attention_mask(SEQ), labels=labels).mean()
+    position_ids = torch.arange(SEQ, device=DEVICE).expand(tokens.shape[0], -1)
+    return model(tokens, position_ids, attention_mask_for(SEQ, ON_CUDA), labels=labels).mean()
 
 
 def test_gpt_with_megamoe_layers_trains_and_balances(megatron):
     config = moe_config()
-    model = build_gpt(config, gpt_decoder_block_spec(config, layer_overrides={2: {"num_experts": 8}}),
-                      vocab_size=VOCAB, seq_len=SEQ)
+    model = gpt(config, gpt_decoder_block_spec(config, layer_overrides={2: {"num_experts": 8}}))
     moe_layers = [m for m in model.modules() if isinstance(m, MegatronMoELayer)]
     assert [layer.cfg.num_experts for layer in moe_layers] == [4, 8]
     assert [layer.router.layer_number for layer in moe_layers] == [2, 3]
@@ -59,8 +66,7 @@ def test_gpt_with_megamoe_layers_trains_and_balances(megatron):
     assert {"moe/layer2/maxvio_global", "moe/layer3/maxvio_global"} <= set(metrics)
     assert all(layer.router.expert_bias.abs().sum() > 0 for layer in moe_layers)
 
-    fresh = build_gpt(config, gpt_decoder_block_spec(config, layer_overrides={2: {"num_experts": 8}}),
-                      vocab_size=VOCAB, seq_len=SEQ)
+    fresh = gpt(config, gpt_decoder_block_spec(config, layer_overrides={2: {"num_experts": 8}}))
     fresh.load_state_dict(model.state_dict())
     for old, new in zip(moe_layers, [m for m in fresh.modules() if isinstance(m, MegatronMoELayer)]):
         assert torch.equal(old.router.expert_bias, new.router.expert_bias)
@@ -80,10 +86,9 @@ def test_moe_layer_pattern():
 def test_spec_hook_objects(megatron):
     """`pretrain_gpt.py --spec megamoe.megatron.specs layer_spec|decoder_block_spec`."""
     config = moe_config(moe_layer_freq=1, num_layers=2)
-    model = build_gpt(config, layer_spec, vocab_size=VOCAB, seq_len=SEQ)
+    model = gpt(config, layer_spec)
     assert sum(isinstance(m, MegatronMoELayer) for m in model.modules()) == 2
-    model = build_gpt(config, decoder_block_spec(config, vp_stage=None), vocab_size=VOCAB,
-                      seq_len=SEQ)
+    model = gpt(config, decoder_block_spec(config, vp_stage=None))
     assert sum(isinstance(m, MegatronMoELayer) for m in model.modules()) == 2
     tokens, labels = lm_batch(0)
     assert torch.isfinite(lm_loss(model, tokens, labels))
@@ -96,7 +101,7 @@ def test_megatron_finalize_model_grads_updates_megamoe_bias(megatron):
                                                                  reset_model_temporary_tensors)
 
     config = moe_config(moe_layer_freq=1, num_layers=2)
-    model = build_gpt(config, decoder_block_spec(config), vocab_size=VOCAB, seq_len=SEQ)
+    model = gpt(config, decoder_block_spec(config))
     tokens, labels = lm_batch(3)
     lm_loss(model, tokens, labels).backward()
     routers = [m.router for m in model.modules() if isinstance(m, MegatronMoELayer)]

@@ -105,8 +105,9 @@ def gpt_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     tokens = tokens.to(device)
     seq = tokens.shape[1]
     positions = torch.arange(seq, device=device).expand_as(tokens)
+    mask = attention_mask_for(seq, on_cuda=device.type == "cuda")
     with torch.no_grad():
-        return model(tokens, positions, attention_mask_for(seq, device.type == "cuda")).float().cpu()
+        return model(tokens, positions, mask).float().cpu()
 
 
 def max_logit_difference(source: DenseSource, checkpoint_dir: Path, record: dict,

@@ -1,15 +1,20 @@
 """megamoe: Mixture-of-Experts layers, balancing, expert parallelism and upcycling for
 Megatron-Core pretraining.
 
-Importing megamoe drops one message of torch's: the CUDA build of torch on a machine without a
-GPU logs "No CUDA runtime is found" when `torch.utils.cpp_extension` is imported (megatron-core
-imports it). It is a fact of the environment, not a problem, and it would turn every CLI's
-one-line error into several lines.
+Importing megamoe silences two things the environment says that are not problems, and that
+would turn every CLI's one-line error into several lines:
+- the CUDA build of torch on a machine without a GPU logs "No CUDA runtime is found" when
+  `torch.utils.cpp_extension` is imported (megatron-core imports it);
+- Python 3.12 raises SyntaxWarnings while compiling megatron-core's own sources (0.19.2 has an
+  invalid escape in a docstring) wherever megatron-core was installed without byte-code (pip's
+  `--no-compile`, `PIP_NO_COMPILE` in slim containers).
 """
 import logging
+import warnings
 
 logging.getLogger("torch.utils.cpp_extension").addFilter(
     lambda record: not record.getMessage().startswith("No CUDA runtime is found"))
+warnings.filterwarnings("ignore", category=SyntaxWarning, module=r".*[\\/]megatron[\\/]")
 
 from megamoe import dispatch, experts, routing  # noqa: E402,F401  (they fill megamoe.registry)
 from megamoe.config import MoEConfig  # noqa: E402

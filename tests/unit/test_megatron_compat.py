@@ -171,3 +171,16 @@ def test_a_dataset_build_without_a_process_group_has_a_world_of_one():
     with compat.process_group_for_dataset_build():
         assert dist.get_rank() == 0 and dist.get_world_size() == 1
     assert not dist.is_initialized()
+
+
+def test_importing_megamoe_silences_syntax_warnings_from_megatron_sources_only():
+    """megatron-core 0.19.2 installed without byte-code warns while compiling its own sources;
+    megamoe's CLIs must still print one-line errors, and a user's own warnings still show."""
+    source = "x = 1 is 1  # a SyntaxWarning on every Python megamoe supports"
+    check = ("import megamoe\n"
+             f"compile({source!r}, '/site-packages/megatron/core/m.py', 'exec')\n"
+             f"compile({source!r}, '/home/user/megatron_plugin.py', 'exec')\n")
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                          timeout=120, check=True)
+    warned = [line for line in done.stderr.splitlines() if "SyntaxWarning" in line]
+    assert len(warned) == 1 and "megatron_plugin.py" in warned[0], done.stderr

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from megamoe.atomic import atomic_write_text
+from megamoe.children import end_children_on_sigterm, run_child
 from megamoe.errors import ConfigError, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,11 +60,10 @@ def train(out: Path, processes: int, parallel: dict, steps: int, overrides: list
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc-per-node={processes}", "-m", "megamoe.train"]
     settings = [f"parallel.{key}={value}" for key, value in parallel.items()]
-    done = subprocess.run(
+    done = run_child(
         launcher + ["--config", str(TINY), f"output_dir={out}", f"training.train_steps={steps}",
                     "checkpoint.interval=0", "logging.interval=1", "logging.progress_bar=false",
-                    "logging.tensorboard=false", *overrides, *settings],
-        capture_output=True, text=True)
+                    "logging.tensorboard=false", *overrides, *settings])
     if done.returncode != 0:
         raise SystemExit(f"the run in {out} failed:\n{done.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -90,6 +89,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     curves = {}
+    end_children_on_sigterm()
     runs = [("one_process", 1, {"expert": 1})] + [(n, *LAYOUTS[n]) for n in args.layouts]
     for number, (name, processes, parallel) in enumerate(runs, 1):
         start = time.monotonic()

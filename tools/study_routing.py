@@ -43,7 +43,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +54,7 @@ import torch
 import yaml
 
 from megamoe.balancing import maxvio
+from megamoe.children import end_children_on_sigterm, run_child
 
 ROOT = Path(__file__).resolve().parent.parent
 TAIL = 50  # steps averaged for the table ("last 50 steps")
@@ -199,7 +199,7 @@ def train_run(name: str, overrides: list[str], base_yaml: Path, runs: Path,
     command = [sys.executable, "-m", "megamoe.train", "--config", str(base_yaml), *overrides]
     print(f"[{name}] {' '.join(overrides[1:]) or '(base config)'}", flush=True)
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    done = run_child(command, cwd=ROOT, env=env)
     if done.returncode != 0:
         print(f"[{name}] FAILED (exit {done.returncode}): {done.stderr.strip()[-2000:]}",
               file=sys.stderr, flush=True)
@@ -452,6 +452,7 @@ def run_study(args: argparse.Namespace, variants: dict, base_config: dict, repor
     there and return its claims, publish the folder as `args.out` and print each claim with
     `verdict(held)`; exit status 1 when a variant failed."""
     out, work = study_folder(args.out)
+    end_children_on_sigterm()
     try:
         started = time.perf_counter()
         folders, failed, steps = train_variants(args, variants, base_config, work)

@@ -50,7 +50,6 @@ import math
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,6 +62,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
+from megamoe.children import end_children_on_sigterm, run_child  # noqa: E402
 from megamoe.errors import run_cli  # noqa: E402
 
 SEED_CONFIG = ROOT / "configs" / "simoe_dense_seed.yaml"
@@ -98,8 +98,7 @@ def run(command: list[str], label: str, output: Path) -> tuple[str, float]:
     shutil.rmtree(output, ignore_errors=True)
     print(f"[{label}] {' '.join(command[1:])}", flush=True)
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, **RUN_ENV})
+    done = run_child([sys.executable, *command], cwd=ROOT, env={**os.environ, **RUN_ENV})
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         sys.stderr.write(f"[{label}] failed (exit {done.returncode}):\n{done.stderr[-3000:]}\n")
@@ -576,6 +575,7 @@ def main(argv=None) -> int:
         print(f"study_simoe: --runs {args.runs}: {foreign[0]} is not a study_simoe seed folder; "
               "pick another --runs", file=sys.stderr)
         return 2
+    end_children_on_sigterm()
     result = study(args.quick, args.jobs, rates, runs)
     write(result, Path(args.out))
     for claim in result["claims"]:

@@ -199,7 +199,7 @@ def train_run(name: str, overrides: list[str], base_yaml: Path, runs: Path,
     command = [sys.executable, "-m", "megamoe.train", "--config", str(base_yaml), *overrides]
     print(f"[{name}] {' '.join(overrides[1:]) or '(base config)'}", flush=True)
     started = time.perf_counter()
-    done = run_child(command, cwd=ROOT, env=env)
+    done = run_child(command, echo_prefix=f"[{name}] ", cwd=ROOT, env=env)
     if done.returncode != 0:
         print(f"[{name}] FAILED (exit {done.returncode}): {done.stderr.strip()[-2000:]}",
               file=sys.stderr, flush=True)

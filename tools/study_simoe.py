@@ -98,7 +98,8 @@ def run(command: list[str], label: str, output: Path) -> tuple[str, float]:
     shutil.rmtree(output, ignore_errors=True)
     print(f"[{label}] {' '.join(command[1:])}", flush=True)
     started = time.perf_counter()
-    done = run_child([sys.executable, *command], cwd=ROOT, env={**os.environ, **RUN_ENV})
+    done = run_child([sys.executable, *command], echo_prefix=f"[{label}] ", cwd=ROOT,
+                     env={**os.environ, **RUN_ENV})
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         sys.stderr.write(f"[{label}] failed (exit {done.returncode}):\n{done.stderr[-3000:]}\n")

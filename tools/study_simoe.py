@@ -442,7 +442,7 @@ def summarise(replicates: list[dict], quick: bool, steps: int, per_family_eval: 
          spread >= 0.05, f"mean pairwise total-variation distance {spread:.3f} (bar 0.05)"),
         ("the experts' masks overlap less than independent masks of their density",
          overlap < independent,
-         f"mean pairwise overlap {overlap:.3f} vs {independent:.3f} if independent"),
+         f"mean pairwise overlap {overlap:.4f} vs {independent:.4f} if independent"),
         ("SIMoE serves with fewer parameters than the 4-expert top-2 upcycled MoE",
          simoe["active"] < moe["active"],
          f"{simoe['active']:,} vs {moe['active']:,} active "

@@ -161,3 +161,30 @@ def write_instruction_set(directory: str | os.PathLike, per_family_train: int = 
         os.replace(partial, path)
         paths[split] = path
     return paths
+
+
+def render_statement(instruction: str, answer: str) -> str:
+    """A fact as pretraining prose states it: the question and its answer in one sentence,
+    without the tuning template."""
+    return f"{instruction} The answer is {answer}."
+
+
+def write_knowledge_corpus(path: str | os.PathLike, documents: int, seed: int,
+                           statements_per_document: int = 6) -> Path:
+    """Pretraining text (jsonl, field `text`) stating facts of every family, seen and unseen, as
+    prose (`render_statement`). Instruction tuning studies tune a language model that already
+    knows how to do the held-out tasks from pretraining and test whether tuning unlocks that
+    knowledge in the tuning template (FLAN, Wei et al. 2022, arXiv 2109.01652; T0, Sanh et al.
+    2022, arXiv 2110.08207; the SIMoE paper's own setting): a seed model pretrained on this, and
+    not only on code prose, has met the unseen families before it is tuned. Written atomically."""
+    path = Path(path)
+    rng = random.Random(f"knowledge-{seed}")
+    names = sorted(FAMILIES)
+    partial = path.with_suffix(path.suffix + ".partial")
+    with open(partial, "w") as out:
+        for _ in range(documents):
+            facts = (render_statement(*FAMILIES[rng.choice(names)].make(rng))
+                     for _ in range(statements_per_document))
+            out.write(json.dumps({"text": "\n".join(facts)}) + "\n")
+    os.replace(partial, path)
+    return path

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tool_modules import tool_module
 
@@ -52,11 +53,16 @@ def test_quick_study_runs_every_method_and_counts_parameters(corpus_cache, tmp_p
     assert "examples per seed" in result["claims"][0]["evidence"]
     assert all(line in done.stdout for line in
                (("HELD: " if c["held"] else "NOT HELD: ") + c["claim"] for c in result["claims"]))
-    # A rerun in the same --runs folder trains nothing (dense seed, upcycling and 4 tunings
-    # reused) and reports the same study.
+    # The dense seed pretrained on the default corpus and the families' facts, half and half.
+    seed = yaml.safe_load((tmp_path / "runs" / "seed0" / "seed" / "config.yaml").read_text())
+    default, facts = seed["data"]["prefixes"]
+    assert Path(default).parent.parent == corpus_cache and seed["data"]["weights"] == [0.5, 0.5]
+    assert Path(facts + ".idx").is_file() and Path(facts).name == "knowledge"
+    # A rerun in the same --runs folder trains nothing (knowledge corpus, dense seed, upcycling
+    # and 4 tunings reused) and reports the same study.
     again = quick_study(tmp_path / "again", tmp_path / "runs", corpus_cache)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count("reusing the finished run") == 6 and "] done in" not in again.stdout
+    assert again.stdout.count("reusing the finished run") == 7 and "] done in" not in again.stdout
     assert json.loads((tmp_path / "again" / "study.json").read_text()) == result
 
 

@@ -26,26 +26,53 @@ def data(tmp_path_factory):
     return paths, SentencePieceTokenizer(root / "tok.model")
 
 
+# Answers recomputed from the question, and the question's shape, for some families.
+RECOMPUTE = {
+    "add": lambda q: sum(map(int, re.findall(r"\d+", q))),
+    "add_three": lambda q: sum(map(int, re.findall(r"\d+", q))),
+    "sort_descending": lambda q: " ".join(
+        map(str, sorted(map(int, q.split(":")[1].split()), reverse=True))),
+    "date_after": lambda q: (lambda n, d: (datetime.date.fromisoformat(d)
+                                           + datetime.timedelta(days=int(n))).isoformat())(
+        *re.match(r"Which date is (\d+) days after ([\d-]+)\?", q).groups()),
+    "reverse_word": lambda q: q.rsplit(" ", 1)[1].rstrip(".")[::-1],
+}
+QUESTION = {"add": r"Add \d+ and \d+\.$", "add_three": r"Add \d+, \d+ and \d+\.$",
+            "sort_descending": r"Sort in descending order: ", "date_after": r"Which date is ",
+            "reverse_word": r"Reverse the letters of "}
+
+
 def test_families_split_and_answers_check():
     assert len(tasks.FAMILIES) >= 12
     assert not set(tasks.SEEN_FAMILIES) & set(tasks.UNSEEN_FAMILIES)
     assert len({tasks.FAMILIES[n].domain for n in tasks.SEEN_FAMILIES}) >= 6
-    recompute = {
-        "add": lambda q: sum(map(int, re.findall(r"\d+", q))),
-        "add_three": lambda q: sum(map(int, re.findall(r"\d+", q))),
-        "sort_descending": lambda q: " ".join(
-            map(str, sorted(map(int, q.split(":")[1].split()), reverse=True))),
-        "date_after": lambda q: (lambda n, d: (datetime.date.fromisoformat(d)
-                                               + datetime.timedelta(days=int(n))).isoformat())(
-            *re.match(r"Which date is (\d+) days after ([\d-]+)\?", q).groups()),
-        "reverse_word": lambda q: q.rsplit(" ", 1)[1].rstrip(".")[::-1],
-    }
-    for name, answer_of in recompute.items():
+    for name, answer_of in RECOMPUTE.items():
         for record in tasks.examples((name,), 20, seed=4):
             question = record["prompt"].removeprefix("Task: ").removesuffix("\nAnswer:")
             assert record["response"] == f" {answer_of(question)}"
     again = list(tasks.examples(tasks.SEEN_FAMILIES, 3, seed=9))
     assert again == list(tasks.examples(tasks.SEEN_FAMILIES, 3, seed=9))
+
+
+def test_knowledge_corpus_states_facts_of_seen_and_unseen_families_as_prose(tmp_path):
+    path = tasks.write_knowledge_corpus(tmp_path / "facts.jsonl", documents=80, seed=3)
+    assert [p.name for p in tmp_path.iterdir()] == ["facts.jsonl"]
+    statements = [line for record in map(json.loads, open(path))
+                  for line in record["text"].split("\n")]
+    assert len(statements) == 80 * 6
+    checked = dict.fromkeys(RECOMPUTE, 0)
+    for statement in statements:
+        question, answer = re.fullmatch(r"(.+) The answer is (.+)\.", statement).groups()
+        assert "Task:" not in question and "Answer:" not in question
+        for name, shape in QUESTION.items():
+            if re.match(shape, question):
+                assert answer == str(RECOMPUTE[name](question)), statement
+                checked[name] += 1
+    assert min(checked.values()) > 0  # seen and unseen families among them
+    assert any(s.startswith("What is the last letter of ") for s in statements)
+    again = tasks.write_knowledge_corpus(tmp_path / "again.jsonl", documents=80, seed=3)
+    other = tasks.write_knowledge_corpus(tmp_path / "other.jsonl", documents=80, seed=4)
+    assert again.read_text() == path.read_text() != other.read_text()
 
 
 def test_validation_split_is_a_new_draw_of_the_seen_families(tmp_path):

@@ -25,12 +25,18 @@ class DataError(MegaMoEError):
     """Missing or malformed training data."""
 
 
+def one_line(text: str) -> str:
+    """TEXT with its control characters (a newline in a command-line argument or a path, say)
+    written as escapes, so an error naming such a value stays one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> None:
     """Run a CLI `main`; a MegaMoEError becomes one line on stderr and exit code 2."""
     try:
         code = main(argv)
     except MegaMoEError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {one_line(str(err))}", file=sys.stderr)
         sys.exit(2)
     sys.exit(code or 0)
 

@@ -20,21 +20,16 @@ import sys
 import warnings
 
 from megamoe.checkpointing.layout import iteration_of, latest_checkpoint
-from megamoe.errors import CheckpointError, ConfigError, run_cli
+from megamoe.errors import CheckpointError, CliArgumentParser, run_cli
 from megamoe.train.config import load_config
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one-line ConfigErrors (exit code 2 through run_cli)."""
-
-    def error(self, message: str):
-        raise ConfigError(f"{message} (see --help)")
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m megamoe.train", description=__doc__.split("\n\n")[0],
-                     epilog="Overrides: section.key=value, e.g. training.train_steps=20 "
-                            "output_dir=runs/x; see megamoe/train/config.py for every key.")
+    parser = CliArgumentParser(prog="python -m megamoe.train",
+                               description=__doc__.split("\n\n")[0],
+                               epilog="Overrides: section.key=value, e.g. "
+                                      "training.train_steps=20 output_dir=runs/x; see "
+                                      "megamoe/train/config.py for every key.")
     parser.add_argument("--config", required=True, help="the run's YAML config, e.g. "
                         "configs/tiny_cpu.yaml")
     parser.add_argument("overrides", nargs="*", metavar="key=value",

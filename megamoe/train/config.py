@@ -731,6 +731,11 @@ def _check_ranges(config: TrainConfig) -> None:
     _require(groups is None or (groups >= 1 and m.num_attention_heads % groups == 0),
              f"model.num_query_groups={groups} must divide model.num_attention_heads="
              f"{m.num_attention_heads} (or be null)")
+    for key, value in [("model.num_attention_heads", m.num_attention_heads),
+                       ("model.num_query_groups", groups)]:
+        _require(value is None or value % p.tensor == 0,
+                 f"{key}={value} is not divisible by parallel.tensor={p.tensor} (tensor ranks "
+                 "split the attention heads); pick a tensor size that divides it")
     _require(m.init_method_std > 0, f"model.init_method_std={m.init_method_std} must be > 0")
     _require(m.norm_epsilon > 0, f"model.norm_epsilon={m.norm_epsilon} must be > 0")
     _require(m.kv_channels is None or m.kv_channels >= 1,
@@ -747,6 +752,7 @@ def _check_ranges(config: TrainConfig) -> None:
     for key, value in [("parallel.first_stage_layers", p.first_stage_layers),
                        ("parallel.last_stage_layers", p.last_stage_layers)]:
         _require(value is None or value >= 1, f"{key}={value} must be >= 1 or null")
+    _check_uneven_stages(config)
     _require(o.eps > 0, f"optimizer.eps={o.eps} must be > 0")
     _require(o.weight_decay >= 0, f"optimizer.weight_decay={o.weight_decay} must be >= 0")
     _require(t.seed >= 0, f"training.seed={t.seed} must be >= 0")
@@ -766,6 +772,30 @@ def _check_ranges(config: TrainConfig) -> None:
                                    all(w >= 0 for w in d.weights) and sum(d.weights) > 0),
              f"data.weights={d.weights} must be one non-negative weight per data.prefixes "
              "entry (not all 0), or null")
+
+
+def _check_uneven_stages(config: TrainConfig) -> None:
+    """`parallel.first/last_stage_layers`: the stages they size, the rest of `num_layers` split
+    evenly over the middle stages, every stage's layers over the virtual stages (Megatron-Core's
+    rule for uneven pipelines, checked here so it is a one-line error, not a traceback)."""
+    p, layers = config.parallel, config.model.num_layers
+    given = {key: value for key, value in [("parallel.first_stage_layers", p.first_stage_layers),
+                                           ("parallel.last_stage_layers", p.last_stage_layers)]
+             if value is not None}
+    if not given:
+        return
+    sizes = ", ".join(f"{key}={value}" for key, value in given.items())
+    middle_stages, middle_layers = p.pipeline - len(given), layers - sum(given.values())
+    _require(middle_stages >= 0 and middle_layers >= 0 and
+             (middle_stages == 0) == (middle_layers == 0) and
+             (middle_stages == 0 or middle_layers % middle_stages == 0),
+             f"{sizes} leave {middle_layers} of model.num_layers={layers} for "
+             f"{max(middle_stages, 0)} middle stage(s) of parallel.pipeline={p.pipeline}; the "
+             "middle stages must share the rest evenly (or set these null)")
+    per_stage = [*given.values(), *([middle_layers // middle_stages] if middle_stages else [])]
+    _require(all(n % p.virtual_stages == 0 for n in per_stage),
+             f"{sizes} with parallel.virtual_stages={p.virtual_stages}: every stage's layers "
+             f"({per_stage}) must split evenly over the virtual stages")
 
 
 def _check_latent_attention(config: TrainConfig) -> None:

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from run_harness import QUICK, REPO, TINY, env
 
@@ -150,6 +150,7 @@ flags = st.one_of(st.sampled_from(["--config", "--help", "-h", "--conf", "--conf
 
 @FUZZ
 @given(st.lists(flags, max_size=5))
+@example(["--config", "", "\n"])  # an unrecognised newline argument: escaped, still one line
 def test_command_lines_run_or_exit_2_with_one_line(tmp_path_factory, capsys, monkeypatch,
                                                    argv):
     monkeypatch.setattr(loop, "run", lambda config: 0)  # the parsing and checks, no training
@@ -169,6 +170,7 @@ def test_command_lines_run_or_exit_2_with_one_line(tmp_path_factory, capsys, mon
           suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
 @given(st.lists(overrides, min_size=1, max_size=3))
 def test_failing_inputs_through_the_real_cli(extra):
+    assume(not any("\x00" in arg for arg in extra))  # no command line can carry a NUL
     assume(isinstance(_config_or_error(extra), MegaMoEError))
     done = subprocess.run([sys.executable, "-m", "megamoe.train", "--config", str(TINY),
                            "output_dir=/nonexistent/never-written", *extra], cwd=REPO, env=env(),

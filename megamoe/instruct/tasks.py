@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from megamoe.atomic import atomic_write_text
+
 WORDS = ("apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "candle", "forest",
          "silver", "garden", "rocket", "window", "marble", "pepper", "castle", "violet", "anchor")
 DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
@@ -145,7 +147,6 @@ def write_instruction_set(directory: str | os.PathLike, per_family_train: int = 
     the seen families, for choosing hyperparameters without touching the evaluation sets); each
     written to a temporary file first and renamed."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     splits = {"train": (SEEN_FAMILIES, per_family_train, seed),
               "eval_seen": (SEEN_FAMILIES, per_family_eval, seed + 1),
               "eval_unseen": (UNSEEN_FAMILIES, per_family_eval, seed + 2)}
@@ -153,13 +154,9 @@ def write_instruction_set(directory: str | os.PathLike, per_family_train: int = 
         splits["valid_seen"] = (SEEN_FAMILIES, per_family_valid, seed + 3)
     paths = {}
     for split, (families, count, split_seed) in splits.items():
-        path = directory / f"{split}.jsonl"
-        partial = path.with_suffix(".jsonl.partial")
-        with open(partial, "w") as out:
-            for record in examples(families, count, split_seed):
-                out.write(json.dumps(record) + "\n")
-        os.replace(partial, path)
-        paths[split] = path
+        paths[split] = directory / f"{split}.jsonl"
+        atomic_write_text(paths[split], "".join(json.dumps(record) + "\n" for record in
+                                                examples(families, count, split_seed)))
     return paths
 
 
@@ -177,14 +174,13 @@ def write_knowledge_corpus(path: str | os.PathLike, documents: int, seed: int,
     knowledge in the tuning template (FLAN, Wei et al. 2022, arXiv 2109.01652; T0, Sanh et al.
     2022, arXiv 2110.08207; the SIMoE paper's own setting): a seed model pretrained on this, and
     not only on code prose, has met the unseen families before it is tuned. Written atomically."""
-    path = Path(path)
     rng = random.Random(f"knowledge-{seed}")
     names = sorted(FAMILIES)
-    partial = path.with_suffix(path.suffix + ".partial")
-    with open(partial, "w") as out:
-        for _ in range(documents):
-            facts = (render_statement(*FAMILIES[rng.choice(names)].make(rng))
-                     for _ in range(statements_per_document))
-            out.write(json.dumps({"text": "\n".join(facts)}) + "\n")
-    os.replace(partial, path)
-    return path
+
+    def document() -> str:
+        facts = (render_statement(*FAMILIES[rng.choice(names)].make(rng))
+                 for _ in range(statements_per_document))
+        return json.dumps({"text": "\n".join(facts)}) + "\n"
+
+    atomic_write_text(path, "".join(document() for _ in range(documents)))
+    return Path(path)

@@ -37,7 +37,7 @@ import yaml
 from megamoe.bounded import (MAX_INT_DIGITS, check_structure, load_yaml, parse_yaml,
                              read_bounded)
 from megamoe.config import MoEConfig
-from megamoe.errors import ConfigError
+from megamoe.errors import ConfigError, one_line
 from megamoe.train.methods import training_method
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
@@ -425,7 +425,7 @@ def _shown(text: object, limit: int = 120) -> str:
     cut to `limit` characters."""
     text = str(text)
     text = text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
-    return text if text.isprintable() else repr(text)[1:-1]
+    return one_line(text)
 
 
 def _unknown_key(key: str, where: str, candidates: list[str]) -> ConfigError:

@@ -6,6 +6,7 @@ needs the expert-parallel size); every error names the offending value and the f
 `megamoe.registry`, which the implementations fill (importing `megamoe` imports them all).
 Megatron-Core's own `moe_*` fields map onto it in the adapter
 (`megamoe.megatron.fields.moe_config_from_transformer_config`).
+`moe_layer_pattern` says which layers of a model are MoE (Megatron's `moe_layer_freq`).
 """
 from __future__ import annotations
 
@@ -387,6 +388,25 @@ class MoEConfig:
         if unknown:
             raise ConfigError(f"unknown MoEConfig field(s) {sorted(unknown)}; see megamoe.MoEConfig")
         return dataclasses.replace(self, **changes)
+
+
+def moe_layer_pattern(config: Any, first_k_dense: int = 0) -> list[bool]:
+    """Which layers are MoE: Megatron's `moe_layer_freq` (every n-th, or a 0/1 list of length
+    num_layers), with the first `first_k_dense` layers forced dense (DeepSeek-V3 style)."""
+    freq, n = config.moe_layer_freq, config.num_layers
+    if isinstance(freq, int):
+        if freq <= 0:
+            raise ConfigError(f"moe_layer_freq={freq} must be >= 1")
+        pattern = [i % freq == 0 for i in range(n)]
+    else:
+        if len(freq) != n or any(v not in (0, 1) for v in freq):
+            raise ConfigError(
+                f"moe_layer_freq={freq} must be a 0/1 list of length num_layers={n}"
+            )
+        pattern = [bool(v) for v in freq]
+    if not 0 <= first_k_dense <= n:
+        raise ConfigError(f"first_k_dense={first_k_dense} must be in 0..num_layers={n}")
+    return [moe and i >= first_k_dense for i, moe in enumerate(pattern)]
 
 
 def _check_positive(cfg: MoEConfig, *names: str) -> None:

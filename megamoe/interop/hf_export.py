@@ -44,6 +44,7 @@ from megamoe.checkpointing.hf_moe_arch import DEEPSEEK_GROUP_SCORE_TOPK
 from megamoe.checkpointing.hf_moe_source import MLA_NAMES
 from megamoe.checkpointing.hf_source import TOKENIZER_FILES, split_qkv
 from megamoe.checkpointing.safetensors_io import ShardedSafetensorsWriter
+from megamoe.config import moe_layer_pattern
 from megamoe.errors import CheckpointError, ConfigError
 from megamoe.paths import inside, refuse_overlap
 from megamoe.train.config import yarn_settings
@@ -75,16 +76,6 @@ def _model_sections(common: dict, folder: Path) -> dict:
     raise CheckpointError(f"{folder} records no megamoe model settings (neither a megamoe "
                           "training checkpoint nor tools/upcycle_ckpt.py output from a Hugging "
                           "Face model); export needs one of those")
-
-
-def _layer_kinds(config) -> list[bool]:
-    from megamoe.megatron.specs import moe_layer_pattern
-    from megamoe.train.model import moe_layer_freq
-    from types import SimpleNamespace
-
-    m = config.model
-    return moe_layer_pattern(SimpleNamespace(moe_layer_freq=moe_layer_freq(config),
-                                             num_layers=m.num_layers))
 
 
 def default_arch(config) -> str:
@@ -376,7 +367,7 @@ def export_hf(load, save, arch: Optional[str] = None, tokenizer=None, overwrite:
     folder = resolve_weights_dir(load)
     sections = _model_sections(load_common_state(folder), folder)
     config = config_from_dict(sections)
-    pattern = _layer_kinds(config)
+    pattern = moe_layer_pattern(config.model, config.model.first_k_dense)
     arch = arch or default_arch(config)
     check_expressible(arch, config, pattern)
     source = DistSource(folder, moe=True)

@@ -44,6 +44,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import get_pg_rank
 
+from megamoe.config import moe_layer_pattern
 from megamoe.errors import ConfigError
 from megamoe.megatron.latent_attention import with_latent_attention
 from megamoe.megatron.moe_module import MegatronMoELayer
@@ -105,25 +106,6 @@ def gpt_layer_spec(config: Any = None, use_transformer_engine: Optional[bool] = 
                             use_te=_uses_transformer_engine(config, use_transformer_engine))
     submodules = dataclasses.replace(base.submodules, mlp=moe_mlp_spec(bias_width, **moe))
     return dataclasses.replace(base, submodules=submodules)
-
-
-def moe_layer_pattern(config: Any, first_k_dense: int = 0) -> list[bool]:
-    """Which layers are MoE: Megatron's `moe_layer_freq` (every n-th, or a 0/1 list of length
-    num_layers), with the first `first_k_dense` layers forced dense (DeepSeek-V3 style)."""
-    freq, n = config.moe_layer_freq, config.num_layers
-    if isinstance(freq, int):
-        if freq <= 0:
-            raise ConfigError(f"moe_layer_freq={freq} must be >= 1")
-        pattern = [i % freq == 0 for i in range(n)]
-    else:
-        if len(freq) != n or any(v not in (0, 1) for v in freq):
-            raise ConfigError(
-                f"moe_layer_freq={freq} must be a 0/1 list of length num_layers={n}"
-            )
-        pattern = [bool(v) for v in freq]
-    if not 0 <= first_k_dense <= n:
-        raise ConfigError(f"first_k_dense={first_k_dense} must be in 0..num_layers={n}")
-    return [moe and i >= first_k_dense for i, moe in enumerate(pattern)]
 
 
 def gpt_decoder_block_spec(config: Any, first_k_dense: int = 0,

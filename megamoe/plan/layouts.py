@@ -108,15 +108,13 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts_of_world(config: TrainConfig, world: int) -> Iterator[tuple[Layout, TrainConfig]]:
-    """Every layout of `world` ranks the trainer accepts for `config` (tensor dividing the
-    heads, key-value groups and dense FFN; pipeline with even stages; expert dividing every
-    layer's experts; no virtual stages), with the config at that layout. Layouts whose
-    global batch does not split over their data-parallel ranks are skipped."""
-    t, m = config.training, config.model
-    heads = [m.num_attention_heads] + ([m.num_query_groups] if m.num_query_groups else [])
+    """Every layout of `world` ranks the trainer accepts for `config` (its config check:
+    tensor dividing the heads, key-value groups and dense layers' MLP; expert dividing every
+    layer's experts), with even pipeline stages and no virtual stages, and the config at that
+    layout. Layouts whose global batch does not split over their data-parallel ranks are
+    skipped."""
+    t = config.training
     for tensor in _divisors(world):
-        if any(n % tensor for n in heads + [m.ffn_hidden_size]):
-            continue  # Megatron-Core splits heads and the dense FFN over tensor ranks
         for pipeline in _divisors(world // tensor):
             if config.model.num_layers % pipeline:
                 continue

@@ -36,7 +36,7 @@ import yaml
 
 from megamoe.bounded import (MAX_INT_DIGITS, check_structure, load_yaml, parse_yaml,
                              read_bounded)
-from megamoe.config import MoEConfig
+from megamoe.config import MoEConfig, moe_layer_pattern
 from megamoe.errors import ConfigError, one_line
 from megamoe.train.methods import training_method
 
@@ -736,6 +736,7 @@ def _check_ranges(config: TrainConfig) -> None:
         _require(value is None or value % p.tensor == 0,
                  f"{key}={value} is not divisible by parallel.tensor={p.tensor} (tensor ranks "
                  "split the attention heads); pick a tensor size that divides it")
+    _check_dense_layers(config)
     _require(m.init_method_std > 0, f"model.init_method_std={m.init_method_std} must be > 0")
     _require(m.norm_epsilon > 0, f"model.norm_epsilon={m.norm_epsilon} must be > 0")
     _require(m.kv_channels is None or m.kv_channels >= 1,
@@ -772,6 +773,20 @@ def _check_ranges(config: TrainConfig) -> None:
                                    all(w >= 0 for w in d.weights) and sum(d.weights) > 0),
              f"data.weights={d.weights} must be one non-negative weight per data.prefixes "
              "entry (not all 0), or null")
+
+
+def _check_dense_layers(config: TrainConfig) -> None:
+    """`model.moe_layer_freq` and `model.first_k_dense` name a valid set of dense layers, and if
+    there are any, tensor ranks split their MLP (`model.ffn_hidden_size`) evenly."""
+    m, tensor = config.model, config.parallel.tensor
+    try:
+        is_moe = moe_layer_pattern(m, m.first_k_dense)
+    except ConfigError as error:
+        raise ConfigError(f"model.{error}") from None
+    _require(all(is_moe) or m.ffn_hidden_size % tensor == 0,
+             f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tensor="
+             f"{tensor} (tensor ranks split the MLP of the dense layers); pick a tensor size "
+             "that divides it")
 
 
 def _check_uneven_stages(config: TrainConfig) -> None:

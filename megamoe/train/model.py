@@ -9,7 +9,6 @@ Megatron's own expert-bias update stays off (`moe_router_enable_expert_bias=Fals
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -20,8 +19,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from megamoe.megatron.seeded_init import initialise_weights
-from megamoe.megatron.specs import (gpt_decoder_block_spec, moe_layer_pattern,
-                                   transformer_engine_available)
+from megamoe.config import moe_layer_pattern
+from megamoe.megatron.specs import gpt_decoder_block_spec, transformer_engine_available
 from megamoe.train.config import TrainConfig, yarn_settings
 
 
@@ -123,9 +122,7 @@ def moe_layer_freq(config: TrainConfig) -> int | list[int]:
     m = config.model
     if m.first_k_dense == 0:
         return m.moe_layer_freq
-    pattern = moe_layer_pattern(SimpleNamespace(moe_layer_freq=m.moe_layer_freq,
-                                                num_layers=m.num_layers), m.first_k_dense)
-    return [int(is_moe) for is_moe in pattern]
+    return [int(is_moe) for is_moe in moe_layer_pattern(m, m.first_k_dense)]
 
 
 def sharded_state_metadata(config: TrainConfig) -> Optional[dict]:

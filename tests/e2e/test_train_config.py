@@ -67,6 +67,18 @@ def test_overrides_reach_nested_keys_and_parse_as_yaml():
      "model.num_attention_heads=4 is not divisible by parallel.tensor=3"),
     ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "model": {"num_query_groups": 2},
       "parallel": {"tensor": 4}}, "model.num_query_groups=2 is not divisible by parallel.tensor=4"),
+    ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "model": {"ffn_hidden_size": 129,
+      "first_k_dense": 1}, "parallel": {"tensor": 2}},
+     "model.ffn_hidden_size=129 is not divisible by parallel.tensor=2"),
+    ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "model": {"ffn_hidden_size": 129,
+      "moe_layer_freq": 2}, "parallel": {"tensor": 2}},
+     "model.ffn_hidden_size=129 is not divisible by parallel.tensor=2"),
+    ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "model": {"moe_layer_freq": 0}},
+     "model.moe_layer_freq=0 must be >= 1"),
+    ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "model": {"moe_layer_freq": [1, 0]}},
+     "model.moe_layer_freq=[1, 0] must be a 0/1 list of length num_layers=4"),
+    ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "model": {"first_k_dense": 7}},
+     "model.first_k_dense=7 must be in 0..num_layers=4"),
     ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "parallel": {"first_stage_layers": 16}},
      "parallel.first_stage_layers=16 leave -12 of model.num_layers=4 for 0 middle stage(s)"),
     ({"moe": {"num_experts": 8, "ffn_hidden_size": 8},
@@ -119,6 +131,14 @@ def test_invalid_configs_name_the_value(raw, message):
     with pytest.raises(ConfigError) as err:
         config_from_dict(raw)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_tensor_ranks_need_not_divide_an_unused_dense_mlp():
+    """With every layer MoE there is no dense MLP to split, so its width does not constrain
+    the tensor size (megamoe's experts are not tensor-parallel)."""
+    config = config_from_dict({"moe": {"num_experts": 8, "ffn_hidden_size": 8},
+                               "model": {"ffn_hidden_size": 129}, "parallel": {"tensor": 2}})
+    assert config.parallel.tensor == 2
 
 
 def test_yarn_overrides_reach_its_keys():

@@ -79,6 +79,20 @@ def test_stage_state_bytes_by_hand():
     assert [layer.number for chunk in shard.chunks for layer in chunk.layers] == [1, 2]
 
 
+@pytest.mark.parametrize("first_k_dense, tensors", [(0, [1, 2, 4]), (1, [1])])
+def test_layouts_follow_the_trainers_config_check(first_k_dense, tensors):
+    """The planner offers the tensor sizes the trainer accepts: a dense MLP 129 wide (odd)
+    rules out tensor 2 and 4 when a layer is dense, and nothing when every layer is MoE."""
+    from megamoe.plan.layouts import layouts_of_world
+    from megamoe.train.config import config_from_dict
+
+    config = config_from_dict({"moe": {"num_experts": 8, "ffn_hidden_size": 8},
+                               "model": {"ffn_hidden_size": 129, "first_k_dense": first_k_dense},
+                               "training": {"micro_batch_size": 1, "global_batch_size": 4}})
+    offered = sorted({layout.tensor for layout, _ in layouts_of_world(config, 4)})
+    assert offered == tensors
+
+
 def test_schedule_in_flight():
     """1F1B holds P - p micro-batches at stage p (capped by their number); interleaved
     2 (P - p - 1) + (v - 1) P + 1 chunk micro-batches (Megatron-Core's schedules)."""

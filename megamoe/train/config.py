@@ -736,6 +736,10 @@ def _check_ranges(config: TrainConfig) -> None:
         _require(value is None or value % p.tensor == 0,
                  f"{key}={value} is not divisible by parallel.tensor={p.tensor} (tensor ranks "
                  "split the attention heads); pick a tensor size that divides it")
+    _require(m.seq_length % p.tensor == 0,
+             f"model.seq_length={m.seq_length} is not divisible by parallel.tensor={p.tensor} "
+             "(sequence parallelism splits each sequence over tensor ranks); pick a length the "
+             "tensor size divides")
     _check_dense_layers(config)
     _require(m.init_method_std > 0, f"model.init_method_std={m.init_method_std} must be > 0")
     _require(m.norm_epsilon > 0, f"model.norm_epsilon={m.norm_epsilon} must be > 0")

@@ -73,6 +73,8 @@ def test_overrides_reach_nested_keys_and_parse_as_yaml():
     ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "model": {"ffn_hidden_size": 129,
       "moe_layer_freq": 2}, "parallel": {"tensor": 2}},
      "model.ffn_hidden_size=129 is not divisible by parallel.tensor=2"),
+    ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "model": {"seq_length": 127},
+      "parallel": {"tensor": 2}}, "model.seq_length=127 is not divisible by parallel.tensor=2"),
     ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "model": {"moe_layer_freq": 0}},
      "model.moe_layer_freq=0 must be >= 1"),
     ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "model": {"moe_layer_freq": [1, 0]}},

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import reprlib
 import typing
 from dataclasses import dataclass, field
@@ -626,6 +627,33 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
     return config_from_dict(apply_overrides(raw, list(overrides)), "after the overrides")
 
 
+def split_weights(split: str) -> list[float]:
+    """`data.split` ("98,2,0", or with "/") as its train, valid and test weights (those left
+    out are 0), normalised to sum 1. ConfigError unless it holds one to three non-negative
+    decimals of finite, non-zero sum."""
+    parts = re.split(r"[,/]", split)
+    if not 1 <= len(parts) <= 3 or not all(re.fullmatch(r"\d+(\.\d*)?", part.strip())
+                                            for part in parts):
+        raise ConfigError(f"data.split={_shown(repr(split))} must be one to three "
+                          "comma-separated non-negative decimal train,valid,test weights, "
+                          "e.g. 98,2,0")
+    weights = [float(part) for part in parts] + [0.0] * (3 - len(parts))
+    total = sum(weights)
+    if not 0 < total < math.inf:
+        raise ConfigError(f"data.split={_shown(repr(split))} must give the splits a finite, "
+                          "non-zero total weight, e.g. 98,2,0")
+    return [weight / total for weight in weights]
+
+
+def check_blend_weights(weights: typing.Sequence[float], prefixes: int) -> None:
+    """`data.weights`: one positive weight per data prefix, of finite sum (Megatron-Core
+    normalises them by their sum)."""
+    if len(weights) != prefixes or not all(0 < weight for weight in weights) \
+            or not math.isfinite(sum(weights)):
+        raise ConfigError(f"data.weights={list(weights)} must be {prefixes} positive weight(s) "
+                          "of finite sum, one per data.prefixes entry, or null")
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
@@ -684,8 +712,7 @@ def validate(config: TrainConfig) -> None:
              f"evaluation.interval={config.evaluation.interval} must be >= 0 (0: never)")
     _require(config.evaluation.batches >= 1,
              f"evaluation.batches={config.evaluation.batches} must be >= 1")
-    split = d.split.replace("/", ",").split(",")
-    _require(config.evaluation.interval == 0 or (len(split) > 1 and float(split[1]) > 0),
+    _require(config.evaluation.interval == 0 or split_weights(d.split)[1] > 0,
              f"evaluation.interval={config.evaluation.interval} needs a valid split, but "
              f"data.split={d.split!r} holds out no documents; set e.g. data.split=95,5,0")
     _require(config.evaluation.interval == 0 or config.parallel.pipeline == 1,
@@ -765,18 +792,10 @@ def _check_ranges(config: TrainConfig) -> None:
              f"training.collective_timeout_s={t.collective_timeout_s} must be > 0")
     _require(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0")
     _require(d.vocab_size >= 100, f"data.vocab_size={d.vocab_size} must be >= 100")
-    parts = d.split.replace("/", ",").split(",")
-    try:
-        weights = [float(part) for part in parts]
-    except ValueError:
-        weights = []
-    _require(1 <= len(weights) <= 3 and all(w >= 0 for w in weights) and weights[0] > 0,
-             f"data.split={d.split!r} must be up to three non-negative train,valid,test "
-             "weights with train > 0, e.g. 98,2,0")
-    _require(d.weights is None or (len(d.weights) == len(d.prefixes) and
-                                   all(w >= 0 for w in d.weights) and sum(d.weights) > 0),
-             f"data.weights={d.weights} must be one non-negative weight per data.prefixes "
-             "entry (not all 0), or null")
+    _require(split_weights(d.split)[0] > 0,
+             f"data.split={d.split!r} gives the train split no weight; e.g. data.split=98,2,0")
+    if d.weights is not None:
+        check_blend_weights(d.weights, len(d.prefixes))
 
 
 def _check_dense_layers(config: TrainConfig) -> None:

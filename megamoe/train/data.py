@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
@@ -33,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from megamoe.errors import ConfigError, DataError, MegaMoEError
 from megamoe.megatron import compat
+from megamoe.train.config import check_blend_weights, split_weights
 from megamoe.train.indexed_check import check_indexed_dataset
 from megamoe.train.tokenizer import SentencePieceTokenizer
 
@@ -57,16 +57,6 @@ def _require_helpers() -> None:
         )
 
 
-def _split_vector(split: str) -> list[float]:
-    parts = split.split(",")
-    if not 1 <= len(parts) <= 3 or not all(re.fullmatch(r"\d+(\.\d*)?", p.strip()) for p in parts):
-        raise ConfigError(f"split {split!r} is not 1-3 comma-separated weights, e.g. '98,2,0'")
-    weights = [float(p) for p in parts] + [0.0] * (3 - len(parts))
-    if sum(weights) <= 0:
-        raise ConfigError(f"split {split!r} gives every split zero weight; e.g. use '98,2,0'")
-    return [w / sum(weights) for w in weights]
-
-
 def _check_blend(
     prefixes: Sequence[str],
     weights: Optional[Sequence[float]],
@@ -78,11 +68,7 @@ def _check_blend(
     if not prefixes:
         raise ConfigError("no data prefix given; pass the PREFIX of PREFIX.bin/PREFIX.idx")
     if weights is not None:
-        if len(weights) != len(prefixes) or any(w <= 0 for w in weights):
-            raise ConfigError(
-                f"blend weights {list(weights)} must be {len(prefixes)} positive numbers, "
-                "one per prefix"
-            )
+        check_blend_weights(weights, len(prefixes))
     for name, bounds, size in zip(SPLIT_NAMES, split_matrix, num_samples):
         if bounds is not None and size is None and weights is not None:
             raise ConfigError(f"a weighted blend needs a {name} sample count; pass num_samples")
@@ -133,7 +119,7 @@ def build_gpt_datasets(
             f"num_samples {list(num_samples)} must be (train, valid, test) counts or None"
         )
     prefixes = [str(p) for p in prefixes]
-    split_matrix = convert_split_vector_to_split_matrix(_split_vector(split))
+    split_matrix = convert_split_vector_to_split_matrix(split_weights(split))
     _check_blend(prefixes, weights, split, split_matrix, num_samples, tokenizer.vocab_size)
     # megatron wants a size for every split of a weighted blend, even for splits it skips
     sizes = [0 if bounds is None else n for bounds, n in zip(split_matrix, num_samples)]

@@ -11,6 +11,7 @@ Megatron-Core's own `moe_*` fields map onto it in the adapter
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -175,6 +176,7 @@ class MoEConfig:
     """Std of the normal init used when no Megatron init method is given."""
 
     def __post_init__(self) -> None:
+        _check_finite(self)
         _check_positive(self, "hidden_size", "num_experts", "ffn_hidden_size", "topk")
         _check_choice(self, "router_type", ROUTERS.names())
         _check_choice(self, "score_function", SCORE_FUNCTIONS)
@@ -207,6 +209,8 @@ class MoEConfig:
             raise ConfigError(
                 f"input_jitter_eps={self.input_jitter_eps} is outside (0, 1); use e.g. 1e-2 or None"
             )
+        if not self.init_method_std > 0:
+            raise ConfigError(f"init_method_std={self.init_method_std} must be > 0; use e.g. 0.02")
         for name in ("z_loss_coeff", "entropy_loss_coeff", "bias_update_rate"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} is negative; use a value >= 0")
@@ -407,6 +411,13 @@ def moe_layer_pattern(config: Any, first_k_dense: int = 0) -> list[bool]:
     if not 0 <= first_k_dense <= n:
         raise ConfigError(f"first_k_dense={first_k_dense} must be in 0..num_layers={n}")
     return [moe and i >= first_k_dense for i, moe in enumerate(pattern)]
+
+
+def _check_finite(cfg: MoEConfig) -> None:
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{f.name}={value} must be a finite number")
 
 
 def _check_positive(cfg: MoEConfig, *names: str) -> None:

@@ -31,6 +31,9 @@ BASE = dict(hidden_size=16, num_experts=8, ffn_hidden_size=32)
     (dict(activation="tanh"), "activation='tanh' is not one of"),
     (dict(router_dtype="bf16"), "router_dtype='bf16' is not one of"),
     (dict(drop_policy="random"), "drop_policy='random' is not one of"),
+    (dict(init_method_std=-1.0), "init_method_std=-1.0 must be > 0"),
+    (dict(aux_loss_coeff=float("nan")), "aux_loss_coeff=nan must be a finite number"),
+    (dict(capacity_factor=float("inf")), "capacity_factor=inf must be a finite number"),
 ])
 def test_invalid_config_names_value_and_fix(changes, message):
     with pytest.raises(ConfigError) as err:

@@ -46,3 +46,17 @@ class CliArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise ConfigError(f"{message} (see --help)")
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse `type`: a whole number >= `minimum` (a count, a size), refused in argparse's
+    one line otherwise."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
+        return value
+    return parse

@@ -15,9 +15,9 @@ of the slowest rank. Rank 0 prints a table and appends one JSON line per dispatc
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -29,7 +29,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megamoe.errors import ConfigError, run_cli  # noqa: E402
+from megamoe.errors import CliArgumentParser, ConfigError, int_at_least, run_cli  # noqa: E402
 from megamoe.registry import DISPATCHERS  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -37,23 +37,25 @@ PHASES = ("dispatch", "experts", "combine")
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ep", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
+    parser = CliArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ep", type=int_at_least(1), default=int(os.environ.get("WORLD_SIZE", "1")),
                         help="expert-parallel size; must equal the number of processes")
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank per step")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--ffn", type=int, default=1024, help="expert FFN size")
-    parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--tokens", type=int_at_least(1), default=4096, help="tokens per rank per step")
+    parser.add_argument("--hidden", type=int_at_least(1), default=512)
+    parser.add_argument("--ffn", type=int_at_least(1), default=1024, help="expert FFN size")
+    parser.add_argument("--experts", type=int_at_least(1), default=16)
+    parser.add_argument("--topk", type=int_at_least(1), default=2)
     parser.add_argument("--dispatchers", default="alltoall,allgather")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int_at_least(0), default=3)
+    parser.add_argument("--steps", type=int_at_least(1), default=10)
     parser.add_argument("--timeout-s", type=float, default=300.0,
                         help="process-group timeout: a dead rank fails the others after this")
     parser.add_argument("--out", default="runs/bench_ep_dispatch.jsonl",
                         help="append one JSON line per dispatcher here (rank 0)")
     args = parser.parse_args(argv)
+    if not 0 < args.timeout_s < math.inf:
+        raise ConfigError(f"--timeout-s {args.timeout_s} must be a positive number of seconds")
     args.dispatchers = args.dispatchers.split(",")
     unknown = [name for name in args.dispatchers if name not in DISPATCHERS]
     if unknown:

@@ -32,7 +32,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import torch  # noqa: E402
 
-from megamoe.errors import CliArgumentParser, MegaMoEError, run_cli  # noqa: E402
+from megamoe.errors import CliArgumentParser, MegaMoEError, int_at_least, run_cli  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PEERS = ("sequential", "grouped", "te_grouped")
@@ -42,15 +42,15 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters
 
 def parse_args(argv):
     parser = CliArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--experts", type=int, nargs="+", default=[16, 256])
-    parser.add_argument("--topk", type=int, nargs="+", default=[2, 8])
-    parser.add_argument("--ffn", type=int, nargs="+", default=[1024, 256],
+    parser.add_argument("--hidden", type=int_at_least(1), default=512)
+    parser.add_argument("--experts", type=int_at_least(1), nargs="+", default=[16, 256])
+    parser.add_argument("--topk", type=int_at_least(1), nargs="+", default=[2, 8])
+    parser.add_argument("--ffn", type=int_at_least(1), nargs="+", default=[1024, 256],
                         help="expert FFN size, one per size")
-    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--tokens", type=int_at_least(BATCH), default=4096)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int_at_least(0), default=3)
+    parser.add_argument("--iters", type=int_at_least(1), default=10)
     parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument("--peer", choices=PEERS, default="sequential",
                         help="Megatron-Core's experts: SequentialMLP (a per-expert loop), "
@@ -172,6 +172,7 @@ def build_size(args, experts, topk, ffn, device, dtype):
     config = cpu_transformer_config(
         num_layers=2, hidden_size=args.hidden, num_attention_heads=8, ffn_hidden_size=ffn,
         num_moe_experts=experts, moe_ffn_hidden_size=ffn, moe_router_topk=topk,
+        moe_router_pre_softmax=topk == 1,  # Megatron-Core's rule for top-1 (Switch) routing
         moe_token_dispatcher_type="alltoall", gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, moe_aux_loss_coeff=1e-2,
         bf16=dtype == torch.bfloat16, params_dtype=dtype)

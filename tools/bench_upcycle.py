@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from megamoe.errors import CliArgumentParser, int_at_least, run_cli
+
 ROOT = Path(__file__).resolve().parents[1]
 HF_SHARD_SIZE = "1GB"
 DEEPSEEK_V3_SHAPE = dict(q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128,
@@ -181,23 +183,23 @@ def run_converter(command: list[str]) -> tuple[float, int, int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = CliArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", required=True, type=Path)
     p.add_argument("--source", choices=tuple(SOURCES), default="megatron",
                    help="megatron: dense torch_dist, upcycled; hf: dense Hugging Face Llama, "
                         "upcycled; hf_moe: DeepSeek-V3-shaped Hugging Face MoE, imported with "
                         "tools/import_hf.py")
-    p.add_argument("--layers", type=int, default=None, help="default 18 (hf_moe: 9)")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--ffn", type=int, default=5632, help="dense FFN (hf_moe: its dense layer)")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--experts", type=int, default=None,
+    p.add_argument("--layers", type=int_at_least(1), default=None, help="default 18 (hf_moe: 9)")
+    p.add_argument("--hidden", type=int_at_least(1), default=2048)
+    p.add_argument("--ffn", type=int_at_least(1), default=5632, help="dense FFN (hf_moe: its dense layer)")
+    p.add_argument("--heads", type=int_at_least(1), default=16)
+    p.add_argument("--vocab", type=int_at_least(1), default=32000)
+    p.add_argument("--experts", type=int_at_least(1), default=None,
                    help="experts of the upcycled model, default 8 (hf_moe: routed experts of "
                         "the source, default 64)")
-    p.add_argument("--topk", type=int, default=None, help="default 2 (hf_moe: 8)")
-    p.add_argument("--granularity", type=int, default=1, help="upcycling only")
-    p.add_argument("--expert-ffn", type=int, default=256, help="hf_moe only: expert FFN size")
+    p.add_argument("--topk", type=int_at_least(1), default=None, help="default 2 (hf_moe: 8)")
+    p.add_argument("--granularity", type=int_at_least(1), default=1, help="upcycling only")
+    p.add_argument("--expert-ffn", type=int_at_least(1), default=256, help="hf_moe only: expert FFN size")
     p.add_argument("--results", type=Path, default=None, help="write the figures as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the output checkpoint")
     p.add_argument("--build-source-only", action="store_true", help=argparse.SUPPRESS)
@@ -257,4 +259,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

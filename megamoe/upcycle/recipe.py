@@ -6,6 +6,7 @@ Megatron-Core MoE settings the output must be trained with (`megatron_settings`)
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -114,9 +115,10 @@ class UpcycleRecipe:
             raise ConfigError("pre_softmax=True needs score_function='softmax'")
         if not 0.0 <= self.drop_ratio <= 1.0:
             raise ConfigError(f"drop_ratio={self.drop_ratio} must be in [0, 1]")
-        if self.noise_std < 0 or self.router_init_std < 0:
-            raise ConfigError(f"noise_std={self.noise_std} and router_init_std="
-                              f"{self.router_init_std} must be >= 0")
+        for name in ("noise_std", "router_init_std"):
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:
+                raise ConfigError(f"{name}={value} must be a finite number >= 0")
         _check_moe_layers(self.moe_layers)
         if self.key_layout == "stacked" and self.moe_layers not in ("all", 1):
             raise ConfigError(f"key_layout='stacked' with moe_layers={self.moe_layers!r}: "

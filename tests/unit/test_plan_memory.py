@@ -158,6 +158,8 @@ def test_json_schema(tool, tmp_path, capsys):
     (["--config", "configs/tiny_cpu.yaml", "--world", "0"], "--world 0"),
     (["--config", "configs/tiny_cpu.yaml", "--world", "3"], "--world 3"),
     (["--config", "configs/tiny_cpu.yaml", "--maxvio", "-1"], "--maxvio"),
+    (["--config", "configs/tiny_cpu.yaml", "--world", "2", "--top", "0"],
+     "argument --top: 0 must be >= 1"),
     (["--config", "configs/tiny_cpu.yaml", "--ranks", "4"], "--ranks 4"),
     (["--config", "configs/tiny_cpu.yaml", "--ranks", "3"], "--ranks 3"),
     (["--config", "configs/missing.yaml"], "missing.yaml"),

@@ -13,7 +13,6 @@ after warm-up. Exit code 1 when the run fails or the growth exceeds the bar.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -21,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from megamoe.errors import ConfigError, run_cli
+from megamoe.errors import CliArgumentParser, ConfigError, int_at_least, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_cpu.yaml"
@@ -29,16 +28,16 @@ BAR_PERCENT = 5.0
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = CliArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="run folder (metrics, checkpoints, plot)")
-    parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--steps", type=int_at_least(1), default=5000)
     parser.add_argument("--quick", action="store_true", help="300 steps, warm-up 100")
-    parser.add_argument("--nproc", type=int, default=2, help="trainer processes (torchrun)")
-    parser.add_argument("--sample-every", type=int, default=100, help="steps between samples")
-    parser.add_argument("--warmup", type=int, default=None,
+    parser.add_argument("--nproc", type=int_at_least(1), default=2, help="trainer processes (torchrun)")
+    parser.add_argument("--sample-every", type=int_at_least(1), default=100, help="steps between samples")
+    parser.add_argument("--warmup", type=int_at_least(0), default=None,
                         help="steps before the baseline sample (default: 10%% of the steps, "
                              "at least one sample interval)")
-    parser.add_argument("--checkpoint-interval", type=int, default=1000)
+    parser.add_argument("--checkpoint-interval", type=int_at_least(0), default=1000)
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="extra trainer config overrides")
     args = parser.parse_args(argv)
@@ -46,10 +45,9 @@ def parse_args(argv):
         args.steps, args.warmup = 300, 100
     if args.warmup is None:
         args.warmup = max(args.sample_every, args.steps // 10)
-    if args.steps < 1 or args.sample_every < 1 or not 0 <= args.warmup < args.steps:
-        raise ConfigError(f"--steps={args.steps}, --sample-every={args.sample_every}, "
-                          f"--warmup={args.warmup}: need steps >= 1, sample-every >= 1 and "
-                          "0 <= warmup < steps")
+    if args.warmup >= args.steps:
+        raise ConfigError(f"--warmup={args.warmup} must be below --steps={args.steps} (its "
+                          "default: --sample-every or a tenth of the steps, the larger)")
     return args
 
 

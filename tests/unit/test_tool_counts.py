@@ -1,6 +1,6 @@
-"""The benchmarks' command lines (tools/bench_*.py): a count below its minimum, a size that is
-not a whole number and a timeout that is not a positive number are one-line errors before any
-benchmark runs."""
+"""The command lines of the benchmarks (tools/bench_*.py) and the soak test (tools/soak.py): a
+count below its minimum, a size that is not a whole number and a timeout that is not a positive
+number are one-line errors before anything runs."""
 from __future__ import annotations
 
 import pytest
@@ -22,6 +22,10 @@ from tool_modules import tool_module
     ("bench_upcycle", ["--workdir", "w", "--layers", "0"], "argument --layers: 0 must be >= 1"),
     ("bench_upcycle", ["--workdir", "w", "--granularity", "-2"],
      "argument --granularity: -2 must be >= 1"),
+    ("soak", ["--out", "o", "--nproc", "0"], "argument --nproc: 0 must be >= 1"),
+    ("soak", ["--out", "o", "--checkpoint-interval", "-1"],
+     "argument --checkpoint-interval: -1 must be >= 0"),
+    ("soak", ["--out", "o", "--steps", "50"], "--warmup=100 must be below --steps=50"),
 ])
 def test_bad_counts_are_one_line_errors(tool, argv, message):
     with pytest.raises(ConfigError) as err:

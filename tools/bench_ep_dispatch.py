@@ -38,9 +38,11 @@ PHASES = ("dispatch", "experts", "combine")
 
 def parse_args(argv):
     parser = CliArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ep", type=int_at_least(1), default=int(os.environ.get("WORLD_SIZE", "1")),
+    parser.add_argument("--ep", type=int_at_least(1),
+                        default=int(os.environ.get("WORLD_SIZE", "1")),
                         help="expert-parallel size; must equal the number of processes")
-    parser.add_argument("--tokens", type=int_at_least(1), default=4096, help="tokens per rank per step")
+    parser.add_argument("--tokens", type=int_at_least(1), default=4096,
+                        help="tokens per rank per step")
     parser.add_argument("--hidden", type=int_at_least(1), default=512)
     parser.add_argument("--ffn", type=int_at_least(1), default=1024, help="expert FFN size")
     parser.add_argument("--experts", type=int_at_least(1), default=16)

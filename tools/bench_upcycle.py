@@ -191,7 +191,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "tools/import_hf.py")
     p.add_argument("--layers", type=int_at_least(1), default=None, help="default 18 (hf_moe: 9)")
     p.add_argument("--hidden", type=int_at_least(1), default=2048)
-    p.add_argument("--ffn", type=int_at_least(1), default=5632, help="dense FFN (hf_moe: its dense layer)")
+    p.add_argument("--ffn", type=int_at_least(1), default=5632,
+                   help="dense FFN (hf_moe: its dense layer)")
     p.add_argument("--heads", type=int_at_least(1), default=16)
     p.add_argument("--vocab", type=int_at_least(1), default=32000)
     p.add_argument("--experts", type=int_at_least(1), default=None,
@@ -199,7 +200,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "the source, default 64)")
     p.add_argument("--topk", type=int_at_least(1), default=None, help="default 2 (hf_moe: 8)")
     p.add_argument("--granularity", type=int_at_least(1), default=1, help="upcycling only")
-    p.add_argument("--expert-ffn", type=int_at_least(1), default=256, help="hf_moe only: expert FFN size")
+    p.add_argument("--expert-ffn", type=int_at_least(1), default=256,
+                   help="hf_moe only: expert FFN size")
     p.add_argument("--results", type=Path, default=None, help="write the figures as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the output checkpoint")
     p.add_argument("--build-source-only", action="store_true", help=argparse.SUPPRESS)

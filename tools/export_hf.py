@@ -24,7 +24,7 @@ import warnings
 # concern here, and it would bury the one-line error of bad input.
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
-from megamoe.errors import CliArgumentParser, ConfigError, run_cli  # noqa: E402
+from megamoe.errors import CliArgumentParser, int_at_least, run_cli  # noqa: E402
 from megamoe.interop.hf_export import ARCHS, export_hf  # noqa: E402
 
 
@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save", required=True, help="output Hugging Face model directory")
     p.add_argument("--arch", choices=ARCHS, default=None, help="target architecture")
     p.add_argument("--tokenizer", default=None, help="directory of Hugging Face tokenizer files")
-    p.add_argument("--max-shard-size-mb", type=int, default=2048, help="safetensors shard size")
+    p.add_argument("--max-shard-size-mb", type=int_at_least(1), default=2048,
+                   help="safetensors shard size")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --save")
     p.add_argument("--verify", action="store_true",
                    help="compare transformers' logits with megamoe's and run generate")
@@ -43,8 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.max_shard_size_mb <= 0:
-        raise ConfigError(f"--max-shard-size-mb {args.max_shard_size_mb} must be positive")
     result = export_hf(args.load, args.save, arch=args.arch, tokenizer=args.tokenizer,
                        overwrite=args.overwrite, verify=args.verify,
                        max_shard_bytes=args.max_shard_size_mb * 2**20)

@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure", action="store_true",
                    help="also train the layout a few steps on the CPU and print measured "
                         "bytes per rank and category beside the predicted ones")
-    p.add_argument("--top", type=int_at_least(1), default=8, help="layouts shown with --world (default 8)")
+    p.add_argument("--top", type=int_at_least(1), default=8,
+                   help="layouts shown with --world (default 8)")
     return p
 
 

@@ -32,8 +32,10 @@ def parse_args(argv):
     parser.add_argument("--out", required=True, help="run folder (metrics, checkpoints, plot)")
     parser.add_argument("--steps", type=int_at_least(1), default=5000)
     parser.add_argument("--quick", action="store_true", help="300 steps, warm-up 100")
-    parser.add_argument("--nproc", type=int_at_least(1), default=2, help="trainer processes (torchrun)")
-    parser.add_argument("--sample-every", type=int_at_least(1), default=100, help="steps between samples")
+    parser.add_argument("--nproc", type=int_at_least(1), default=2,
+                        help="trainer processes (torchrun)")
+    parser.add_argument("--sample-every", type=int_at_least(1), default=100,
+                        help="steps between samples")
     parser.add_argument("--warmup", type=int_at_least(0), default=None,
                         help="steps before the baseline sample (default: 10%% of the steps, "
                              "at least one sample interval)")

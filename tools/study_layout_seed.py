@@ -12,7 +12,6 @@ layout) and OUT/layout_seed.png (the curves). Exit code 1 when a layout misses t
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from megamoe.atomic import atomic_write_text
 from megamoe.children import end_children_on_sigterm, run_child
-from megamoe.errors import ConfigError, run_cli
+from megamoe.errors import CliArgumentParser, ConfigError, int_at_least, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_cpu.yaml"
@@ -35,9 +34,9 @@ LAYOUTS = {  # name -> (processes, parallel overrides)
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = CliArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/study_layout_seed", help="study folder")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int_at_least(1), default=8)
     parser.add_argument("--layouts", default=",".join(LAYOUTS),
                         help=f"comma-separated, of {', '.join(LAYOUTS)}")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
@@ -47,8 +46,6 @@ def parse_args(argv):
     unknown = [name for name in args.layouts if name not in LAYOUTS]
     if unknown or not args.layouts:
         raise ConfigError(f"--layouts {unknown or '(empty)'}: choose from {', '.join(LAYOUTS)}")
-    if args.steps < 1:
-        raise ConfigError(f"--steps={args.steps} must be >= 1")
     return args
 
 

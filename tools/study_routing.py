@@ -55,6 +55,7 @@ import yaml
 
 from megamoe.balancing import maxvio
 from megamoe.children import end_children_on_sigterm, run_child
+from megamoe.errors import CliArgumentParser, ConfigError, int_at_least, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 TAIL = 50  # steps averaged for the table ("last 50 steps")
@@ -117,14 +118,14 @@ def finished(out: Path, steps: int) -> bool:
 
 def study_arguments(study: str, variants: dict, description: str, argv) -> argparse.Namespace:
     """The command line of a variant study (--out, --quick, --jobs, --runs, --variants), with
-    `study` and `names`, the variants to train; a bad --variants or --jobs exits 2 with one
-    line."""
-    parser = argparse.ArgumentParser(description=description)
+    `study` and `names`, the variants to train; a bad --variants or --jobs is a ConfigError
+    (one line and exit 2 through run_cli)."""
+    parser = CliArgumentParser(description=description)
     parser.add_argument("--out", default=str(ROOT / "runs" / study),
                         help=f"result folder (default runs/{study}; the published study: "
                              f"docs/{study})")
     parser.add_argument("--quick", action="store_true", help="a few steps per variant (CI)")
-    parser.add_argument("--jobs", type=int, default=1,
+    parser.add_argument("--jobs", type=int_at_least(1), default=1,
                         help="variants trained at a time, one thread each (default 1)")
     parser.add_argument("--runs", help="train (and reuse finished runs) here, kept afterwards")
     parser.add_argument("--variants", default=",".join(variants),
@@ -134,13 +135,9 @@ def study_arguments(study: str, variants: dict, description: str, argv) -> argpa
     args.names = [n for n in args.variants.split(",") if n]
     unknown = [n for n in args.names if n not in variants]
     if unknown or not args.names:
-        problem = f"--variants {args.variants!r}: unknown {unknown}; pick from {','.join(variants)}"
-    elif args.jobs < 1:
-        problem = f"--jobs {args.jobs} must be >= 1"
-    else:
-        return args
-    print(f"{study}: {problem}", file=sys.stderr)
-    raise SystemExit(2)
+        raise ConfigError(f"--variants {args.variants!r}: unknown {unknown}; pick from "
+                          f"{','.join(variants)}")
+    return args
 
 
 def train_variants(args: argparse.Namespace, variants: dict, base_config: dict,
@@ -492,4 +489,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

@@ -50,7 +50,6 @@ the claims.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -70,7 +69,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 from megamoe.children import end_children_on_sigterm, run_child  # noqa: E402
-from megamoe.errors import run_cli  # noqa: E402
+from megamoe.errors import CliArgumentParser, int_at_least, run_cli  # noqa: E402
 
 SEED_CONFIG = ROOT / "configs" / "simoe_dense_seed.yaml"
 INSTRUCT_CONFIG = ROOT / "configs" / "simoe_instruct.yaml"
@@ -573,12 +572,12 @@ def _rates(text: str) -> tuple[float, ...]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = CliArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(ROOT / "runs" / "study_simoe"),
                         help="result folder (default runs/study_simoe; the published study: "
                              "docs/study_simoe)")
     parser.add_argument("--quick", action="store_true", help="a few steps per run (CI)")
-    parser.add_argument("--jobs", type=int, default=1,
+    parser.add_argument("--jobs", type=int_at_least(1), default=1,
                         help="tuning runs trained at a time (each gets cores / jobs threads)")
     parser.add_argument("--learning-rates", default="",
                         help="comma-separated grid each method chooses its learning rate from "
@@ -589,9 +588,6 @@ def main(argv=None) -> int:
                                        "rerun reuses every run that finished with the same "
                                        "command")
     args = parser.parse_args(argv)
-    if args.jobs < 1:
-        print(f"study_simoe: --jobs {args.jobs} must be >= 1", file=sys.stderr)
-        return 2
     rates = _rates(args.learning_rates) if args.learning_rates else ()
     if args.learning_rates and not rates:
         print(f"study_simoe: --learning-rates {args.learning_rates!r} must be positive numbers "

@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import copy
 import statistics
-import sys
 from functools import partial
 from pathlib import Path
 
+from megamoe.errors import run_cli
 from study_routing import BASE_CONFIG as ROUTING_BASE
 from study_routing import (failed_note, layers_of, read_metrics, run_study, series,
                            study_arguments, study_json)
@@ -276,4 +276,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

@@ -1,6 +1,6 @@
-"""The command lines of the benchmarks (tools/bench_*.py) and the soak test (tools/soak.py): a
-count below its minimum, a size that is not a whole number and a timeout that is not a positive
-number are one-line errors before anything runs."""
+"""The command lines of the benchmarks (tools/bench_*.py), the soak test, the studies and the
+Hugging Face export: a count below its minimum, a size that is not a whole number and a timeout
+that is not a positive number are one-line errors before anything runs."""
 from __future__ import annotations
 
 import pytest
@@ -38,3 +38,22 @@ def test_counts_at_their_minimum_are_accepted():
         ["--tokens", "4", "--iters", "1", "--warmup", "0", "--experts", "1", "--topk", "1",
          "--ffn", "1", "--hidden", "1"])
     assert (args.tokens, args.iters, args.warmup, args.topk) == (4, 1, 0, [1])
+
+
+@pytest.mark.parametrize("parse, message", [
+    (lambda: tool_module("study_layout_seed").parse_args(["--steps", "0"]),
+     "argument --steps: 0 must be >= 1"),
+    (lambda: tool_module("export_hf").build_parser().parse_args(
+        ["--load", "a", "--save", "b", "--max-shard-size-mb", "0"]),
+     "argument --max-shard-size-mb: 0 must be >= 1"),
+    (lambda: tool_module("study_routing").study_arguments("study_routing", {"bias": {}}, "",
+                                                          ["--jobs", "0"]),
+     "argument --jobs: 0 must be >= 1"),
+    (lambda: tool_module("study_routing").study_arguments("study_routing", {"bias": {}}, "",
+                                                          ["--variants", "nope"]),
+     "--variants 'nope': unknown ['nope']"),
+])
+def test_the_studies_and_export_share_the_count_check(parse, message):
+    with pytest.raises(ConfigError) as err:
+        parse()
+    assert message in str(err.value) and "\n" not in str(err.value)

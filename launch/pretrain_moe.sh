@@ -56,6 +56,27 @@ if [[ -z "${SLURM_JOB_ID:-}" ]]; then
     echo "error: submit this script with sbatch (SLURM_JOB_ID is not set)" >&2
     exit 2
 fi
+
+# Every number below reaches bash arithmetic, srun or torchrun. Bash evaluates a variable's value
+# as an expression inside $(( )) (so "a[$(cmd)]" would run cmd), and 0 or -4 would divide by zero
+# or reach torchrun: each must be a plain decimal integer in its range before any use.
+require_integer() {  # NAME MIN MAX: $NAME, when set and not empty, is an integer in MIN..MAX
+    local name=$1 value=${!1:-} shown
+    [[ -z "$value" ]] && return 0
+    if [[ ! "$value" =~ ^(0|[1-9][0-9]{0,9})$ ]] || (( value < $2 || value > $3 )); then
+        printf -v shown '%q' "$value"
+        echo "error: $name=${shown:0:60} is not an integer from $2 to $3; set it to one" \
+             "or unset it" >&2
+        exit 2
+    fi
+}
+require_integer SLURM_JOB_ID 1 4294967295
+require_integer SLURM_JOB_NUM_NODES 1 1000000
+require_integer SLURM_CPUS_PER_TASK 1 1000000
+require_integer SLURM_GPUS_ON_NODE 0 1024
+require_integer SLURM_RESTART_COUNT 0 1000000000
+require_integer NPROC_PER_NODE 1 1024
+require_integer RDZV_PORT 1 65535
 if [[ -z "${CONFIG:-}" ]]; then
     if (( $# == 0 )); then
         echo "error: no config given: pass it first" \

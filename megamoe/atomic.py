@@ -8,18 +8,19 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from megamoe.errors import MegaMoEError
+from megamoe.ownership import check_folder_output, replace_folder
 
 
 @contextlib.contextmanager
-def atomic_directory(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling directory that is renamed to `target` only on success.
+def atomic_directory(target: str | os.PathLike, *, owner: str,
+                     overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling directory that is renamed to `target` only on success, marked
+    as the tool `owner`'s (megamoe.ownership).
 
-    On any exception the temporary directory is removed and `target` is left untouched.
+    `target` may exist only when `overwrite` is set and it is empty or marked by `owner`; on any
+    exception the temporary directory is removed and `target` is left untouched.
     """
-    target = Path(target)
-    if target.exists() and not overwrite:
-        raise MegaMoEError(f"output path {target} exists; choose another path or pass --overwrite")
+    target = check_folder_output(target, owner, "output path", overwrite=overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
@@ -27,13 +28,11 @@ def atomic_directory(target: str | os.PathLike, overwrite: bool = False) -> Iter
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.replace(target, old)
-        os.replace(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, target)
+    try:
+        replace_folder(tmp, target, owner, "output path")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

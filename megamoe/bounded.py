@@ -2,7 +2,9 @@
 time and memory, with one-line errors.
 
 The formats set no limits of their own, so these do (README, "Reliability"):
-- a file or line is read up to `max_bytes` and no further (`read_bounded`, `bounded_lines`);
+- a file is read only when `os.stat` says it is a regular file of at most `max_bytes`
+  (`regular_file_size`, `read_bytes_bounded`, `read_bounded`), a line up to `max_line_bytes`
+  and no further (`bounded_lines`);
 - text must be UTF-8: the first bad byte is named with its offset;
 - nesting deeper than `MAX_DEPTH` and more than `MAX_NODES` values (counting every use of a
   YAML alias, so an alias bomb stops after `MAX_NODES` steps instead of expanding to 10^9) are
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -25,15 +28,45 @@ MAX_NODES = 1_000_000
 MAX_INT_DIGITS = 40  # 2**128 has 39 digits: no setting or JSON size needs more
 
 
-def read_bounded(path: str | os.PathLike, max_bytes: int, error: type[MegaMoEError],
-                 what: str) -> str:
-    """The UTF-8 text of the file `path`, refused if it is larger than `max_bytes`."""
-    with open(path, "rb") as f:
-        raw = f.read(max_bytes + 1)
+def regular_file_size(path: str | os.PathLike, max_bytes: int, error: type[MegaMoEError],
+                      what: str) -> int:
+    """The size of the regular file `path` (links followed), from `os.stat` and before any byte
+    is read: a device, FIFO, socket or folder, a missing file, or a file larger than
+    `max_bytes` is refused in one line."""
+    try:
+        info = os.stat(path)
+    except OSError as err:
+        raise error(f"cannot read {what} ({err.strerror}); check the path") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+        raise error(f"{what} is {kind}; pass a regular file")
+    if info.st_size > max_bytes:
+        raise error(f"{what} is {info.st_size:,} bytes, larger than {max_bytes:,}, the limit "
+                    "for this file; is it the right file?")
+    return info.st_size
+
+
+def read_bytes_bounded(path: str | os.PathLike, max_bytes: int, error: type[MegaMoEError],
+                       what: str) -> bytes:
+    """The bytes of the regular file `path`, at most `max_bytes`: its size is checked with
+    `regular_file_size` before anything is allocated, and a file that grows while it is read
+    is refused at `max_bytes` + 1."""
+    regular_file_size(path, max_bytes, error, what)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(max_bytes + 1)
+    except OSError as err:
+        raise error(f"cannot read {what} ({err.strerror}); check the path") from None
     if len(raw) > max_bytes:
         raise error(f"{what} is larger than {max_bytes:,} bytes, the limit for this file; "
                     "is it the right file?")
-    return decode_utf8(raw, error, what)
+    return raw
+
+
+def read_bounded(path: str | os.PathLike, max_bytes: int, error: type[MegaMoEError],
+                 what: str) -> str:
+    """The UTF-8 text of the regular file `path`, refused if it is larger than `max_bytes`."""
+    return decode_utf8(read_bytes_bounded(path, max_bytes, error, what), error, what)
 
 
 def decode_utf8(raw: bytes, error: type[MegaMoEError], what: str) -> str:

@@ -41,15 +41,34 @@ ARCHS = {
                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
 }
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+TOKENIZERS = {"qwen2_moe": "save_qwen_like", "qwen3_moe": "save_qwen_like",
+              "qwen2": "save_qwen_like", "qwen3": "save_qwen_like",
+              "deepseek_v3": "save_deepseek_like"}
+"""The tokenizer each released model ships (tests/tiny_tokenizers.py); the others: Mixtral's."""
+
+
+def save_tiny_tokenizer(arch: str, directory: Path) -> dict:
+    """Write the tokenizer files a released `arch` model ships into `directory`; returns the
+    ids that go with them in its config.json, as transformers' AutoTokenizer reads them."""
+    import tiny_tokenizers
+    from transformers import AutoTokenizer
+
+    getattr(tiny_tokenizers, TOKENIZERS.get(arch, "save_mixtral_like"))(directory)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    return {key: getattr(tokenizer, key) for key in ("bos_token_id", "eos_token_id",
+                                                     "pad_token_id")}
 
 
 def save_tiny_hf_model(arch: str, directory: Path, shard_size: str | None = "100KB",
-                       seed: int = 0, **overrides) -> Path:
+                       seed: int = 0, tokenizer: bool = False, **overrides) -> Path:
     """A random `arch` model (weights std 0.1, so logits are not flat; DeepSeek-V3's correction
-    biases N(0, 0.1), so they change the routing) saved to `directory`."""
+    biases N(0, 0.1), so they change the routing) saved to `directory`; with `tokenizer`, the
+    tokenizer files the released model ships (`save_tiny_tokenizer`) and its ids in the
+    configs."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(arch, **{**BASE, **ARCHS[arch], **overrides})
+    ids = save_tiny_tokenizer(arch, directory) if tokenizer else {}
+    config = AutoConfig.for_model(arch, **{**BASE, **ARCHS[arch], **ids, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -30,6 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megamoe.errors import CliArgumentParser, ConfigError, int_at_least, run_cli  # noqa: E402
+from megamoe.ownership import check_file_output  # noqa: E402
 from megamoe.registry import DISPATCHERS  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -62,6 +63,7 @@ def parse_args(argv):
     unknown = [name for name in args.dispatchers if name not in DISPATCHERS]
     if unknown:
         raise ConfigError(f"--dispatchers {unknown} not among {list(DISPATCHERS)}")
+    check_file_output(args.out, "--out")
     return args
 
 

@@ -33,6 +33,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import torch  # noqa: E402
 
 from megamoe.errors import CliArgumentParser, MegaMoEError, int_at_least, run_cli  # noqa: E402
+from megamoe.ownership import check_file_output  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PEERS = ("sequential", "grouped", "te_grouped")
@@ -67,6 +68,8 @@ def parse_args(argv):
                            "must list the same number of values (one per size)")
     if args.tokens % BATCH:
         raise MegaMoEError(f"--tokens {args.tokens} must be a multiple of {BATCH}")
+    if args.json is not None:
+        check_file_output(args.json, "--json")
     return args
 
 

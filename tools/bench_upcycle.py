@@ -24,7 +24,8 @@
    metrics), output size, MB/s written and peak RSS, checks the bar
    peak RSS < output size / 2, writes the figures as JSON (`--results`) and the per-layer metrics
    the converter wrote (`upcycle_metrics.jsonl` or `import_metrics.jsonl`) next to them. The
-   output checkpoint is deleted afterwards unless `--keep`.
+   output checkpoint is deleted afterwards unless `--keep`. `--workdir` is marked as the
+   benchmark's (megamoe.ownership): a folder of anyone else's is refused in one line.
 
 Exit code 1 if the bar is missed.
 """
@@ -41,10 +42,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from megamoe.errors import CliArgumentParser, int_at_least, run_cli
+from megamoe.atomic import atomic_write_text
+from megamoe.bounded import read_bounded
+from megamoe.errors import CliArgumentParser, ConfigError, int_at_least, run_cli
+from megamoe.ownership import check_file_output, check_folder_output, claim_folder
 
 ROOT = Path(__file__).resolve().parents[1]
+TOOL = "bench_upcycle"
 HF_SHARD_SIZE = "1GB"
+MAX_METRICS_BYTES = 64 << 20  # the converter's per-layer timing lines
 DEEPSEEK_V3_SHAPE = dict(q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128,
                          qk_rope_head_dim=64, v_head_dim=128, n_group=8, topk_group=4,
                          n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5)
@@ -209,13 +215,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, value in SOURCES[args.source].defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    check_folder_output(args.workdir, TOOL, "--workdir")
+    if args.results is not None:
+        for path in (args.results, layers_file(args.results)):
+            check_file_output(path, "--results", [args.workdir])
     return args
+
+
+def layers_file(results: Path) -> Path:
+    """Where the converter's per-layer metrics are copied: beside `--results`."""
+    return results.with_name(results.stem + "_layers.jsonl")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     source = SOURCES[args.source]
-    load = args.workdir / source.directory
+    load = claim_folder(args.workdir, TOOL, "--workdir") / source.directory
     if args.build_source_only:
         build_source(source, load, args)
         return 0
@@ -225,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run([sys.executable, __file__, "--build-source-only",
                         *(sys.argv[1:] if argv is None else argv)], check=True)
         print(f"  done in {time.perf_counter() - start:.0f} s", flush=True)
-    params = int((load / "params.txt").read_text())
+    params = int(read_bounded(load / "params.txt", 64, ConfigError, str(load / "params.txt")))
     output = args.workdir / "moe"
     command = [sys.executable, str(ROOT / "tools" / source.tool), "--load", str(load), "--save",
                str(output), "--overwrite", *source.tool_args(args)]
@@ -234,8 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {source.tool} exited with code {code}", file=sys.stderr)
         return 2
     out_bytes = directory_bytes(output)
-    parts = [json.loads(line) for line in (output / source.metrics_file).read_text()
-             .splitlines()]
+    metrics = read_bounded(output / source.metrics_file, MAX_METRICS_BYTES, ConfigError,
+                           str(output / source.metrics_file))
+    parts = [json.loads(line) for line in metrics.splitlines()]
     convert_seconds = sum(part["seconds"] for part in parts)
     shape = {"experts": args.experts, "topk": args.topk}
     shape.update({"expert_ffn": args.expert_ffn} if args.source == "hf_moe" else
@@ -252,9 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(figures, indent=2))
     if args.results:
-        args.results.write_text(json.dumps(figures, indent=2) + "\n")
-        shutil.copy(output / source.metrics_file,
-                    args.results.with_name(args.results.stem + "_layers.jsonl"))
+        atomic_write_text(args.results, json.dumps(figures, indent=2) + "\n")
+        atomic_write_text(layers_file(args.results), metrics)
     if not args.keep:
         shutil.rmtree(output)
     return 0 if figures["bar_peak_rss_below_half_output"] else 1

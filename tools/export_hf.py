@@ -2,12 +2,16 @@
 DeepSeek-V3).
 
     python tools/export_hf.py --load CKPT --save OUT
-        [--arch mixtral|qwen2_moe|qwen3_moe|deepseek_v3] [--tokenizer HF_TOKENIZER_DIR] [--verify]
+        [--arch mixtral|qwen2_moe|qwen3_moe|deepseek_v3] [--tokenizer TOKENIZER] [--verify]
 
 CKPT: a megamoe training checkpoint (a run's checkpoint folder, or its checkpoints/ directory)
-or the output of tools/upcycle_ckpt.py or tools/import_hf.py. Writes config.json, safetensors
-shards with their index, and the tokenizer (from --tokenizer, else the converter's
-hf_tokenizer/). The default --arch is the one that expresses the model (DeepSeek-V3 with
+or the output of tools/upcycle_ckpt.py or tools/import_hf.py. Writes safetensors shards with
+their index, the tokenizer the checkpoint records (its `tokenizer/` folder; --tokenizer only
+names the same tokenizer elsewhere, another one is refused), and config.json and
+generation_config.json: for an imported model the source's own with only the keys training
+changed, each named in the output; else generated from the settings (bos/eos ids from the
+tokenizer, the context it was trained for, its rope scaling and balance-loss weight). The
+default --arch is the source model's, else the one that expresses the model (DeepSeek-V3 with
 multi-head latent attention, Qwen3-MoE with QK norm, Qwen2-MoE with a gated shared expert, else
 Mixtral); settings the architecture cannot express (sigmoid routing, expert bias and group
 limits outside DeepSeek-V3, top-p, dense layers in Mixtral, ...) are refused in one line.
@@ -25,6 +29,7 @@ import warnings
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
 from megamoe.errors import CliArgumentParser, int_at_least, run_cli  # noqa: E402
+from megamoe.ownership import check_folder_output  # noqa: E402
 from megamoe.interop.hf_export import ARCHS, export_hf  # noqa: E402
 
 
@@ -33,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", required=True, help="megamoe MoE checkpoint")
     p.add_argument("--save", required=True, help="output Hugging Face model directory")
     p.add_argument("--arch", choices=ARCHS, default=None, help="target architecture")
-    p.add_argument("--tokenizer", default=None, help="directory of Hugging Face tokenizer files")
+    p.add_argument("--tokenizer", default=None,
+                   help="the checkpoint's tokenizer from elsewhere (folder or file; default: "
+                        "the one the checkpoint holds)")
     p.add_argument("--max-shard-size-mb", type=int_at_least(1), default=2048,
                    help="safetensors shard size")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --save")
@@ -44,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_folder_output(args.save, "export_hf", "--save", [args.load, args.tokenizer],
+                        args.overwrite)
     result = export_hf(args.load, args.save, arch=args.arch, tokenizer=args.tokenizer,
                        overwrite=args.overwrite, verify=args.verify,
                        max_shard_bytes=args.max_shard_size_mb * 2**20)

@@ -15,10 +15,18 @@
 # Ends with a SUMMARY block, one `PASS|FAIL|SKIP <check>: <figures>` line per check; exit code 0
 # if nothing failed, 1 if a check failed, 77 (skipped) without a CUDA device, 2 if torch,
 # megatron.core or megamoe does not import. Logs, JSON figures
-# and the runs' metrics.jsonl land in OUT_DIR.
+# and the runs' metrics.jsonl land in OUT_DIR, which must be new, empty or an earlier
+# gpu_check's (marked with .megamoe-owner, as megamoe/ownership.py marks a tool's folders):
+# any other folder is refused in one line with exit code 2, untouched.
 set -uo pipefail
 out=${1:?usage: bash tools/gpu_check.sh OUT_DIR}
+if [ -e "$out" ] && ! { [ -d "$out" ] && { [ -z "$(ls -A "$out")" ] \
+        || [ "$(head -c 64 "$out/.megamoe-owner" 2>/dev/null)" = gpu_check ]; }; }; then
+    echo "gpu_check: error: OUT_DIR $out is not a folder gpu_check wrote (no .megamoe-owner naming gpu_check); choose a new or empty folder" >&2
+    exit 2
+fi
 mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
+echo gpu_check > "$out/.megamoe-owner"
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1 WANDB_MODE=offline
 summary="$out/summary.txt"

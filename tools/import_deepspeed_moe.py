@@ -12,6 +12,7 @@ one line on stderr, exit code 2, no output left behind. See megamoe/interop/deep
 from __future__ import annotations
 
 from megamoe.errors import CliArgumentParser, run_cli
+from megamoe.ownership import check_folder_output
 from megamoe.interop.deepspeed_import import ACTIVATIONS, import_deepspeed
 
 
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verify", action="store_true",
                    help="compare with deepspeed.moe.layer.MoE on the same weights and inputs")
     args = p.parse_args(argv)
+    check_folder_output(args.save, "import_deepspeed_moe", "--save", [args.load], args.overwrite)
     diff = import_deepspeed(args.load, args.save, args.topk, args.activation,
                             overwrite=args.overwrite, verify=args.verify)
     print(f"megamoe MoE checkpoint: {args.save}")

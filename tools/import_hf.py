@@ -3,10 +3,17 @@ Qwen2, Qwen3) as a megamoe checkpoint, to continue its pretraining at any layout
 
     python tools/import_hf.py --load HF_DIR --save OUT [--verify] [--drop-mtp] [--overwrite]
 
-HF_DIR: config.json and safetensors (sharded or not). OUT: a torch_dist checkpoint in Megatron-LM's
-layout (`OUT/release/`), `OUT/train_config.yaml` and the tokenizer (`OUT/hf_tokenizer/`); train it
-with `python -m megamoe.train --config OUT/train_config.yaml checkpoint.init_from=OUT` and write it
-back with `tools/export_hf.py --load RUN/checkpoints --save HF_OUT --arch <the same>`. Dense models
+HF_DIR: config.json and safetensors (sharded or not), and the model's tokenizer (tokenizer.json or
+tokenizer.model, with tokenizer_config.json / special_tokens_map.json / generation_config.json).
+OUT: a torch_dist checkpoint in Megatron-LM's layout (`OUT/release/`, holding the tokenizer in
+`release/tokenizer/` and the source's config.json and generation_config.json in
+`release/hf_source/`) and `OUT/train_config.yaml`: the model, its tokenizer (`data.tokenizer`), its
+context length (capped for a CPU) and continued-pretraining settings, each with a comment. Train
+it with the command printed (`python -m megamoe.train --config OUT/train_config.yaml
+checkpoint.init_from=OUT`: the default corpus tokenized with the model's tokenizer, or
+`data.prefixes` made with `tools/preprocess_data.py --tokenizer OUT/release/tokenizer`) and write
+it back with `tools/export_hf.py --load RUN/checkpoints --save HF_OUT` (the tokenizer and the
+source's config come along). Dense models
 are converted as `tools/upcycle_ckpt.py --dense` does. The conversion streams one layer at a time,
 with a progress bar (stderr). `--verify` compares transformers' logits (fp32, CPU) with megamoe's
 (max |difference| <= 1e-4). What megamoe cannot express, and bad input, give one line on stderr and
@@ -22,6 +29,7 @@ import warnings
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
 from megamoe.errors import CliArgumentParser, run_cli  # noqa: E402
+from megamoe.ownership import check_folder_output  # noqa: E402
 from megamoe.interop.hf_import import import_hf  # noqa: E402
 
 
@@ -41,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_folder_output(args.save, "import_hf", "--save", [args.load], args.overwrite)
     diff = import_hf(args.load, args.save, overwrite=args.overwrite, verify=args.verify,
                      drop_mtp=args.drop_mtp, progress=not args.no_progress)
     print(f"megamoe checkpoint: {args.save}")

@@ -12,7 +12,9 @@ ranked (those that fit --device-memory first, then by peak memory). --measure tr
 config's layout a few steps on the CPU (one gloo process per rank) and prints the measured
 bytes beside the predicted ones. Parameters and optimizer state are counted on a meta-device
 build of the real model; every activation term is written down in docs/memory_planner.md.
-Bad input is one line on stderr and exit code 2, with no output file left behind.
+Bad input is one line on stderr and exit code 2, with no output file left behind; so is an
+output that is, holds or lies inside an input, or is a folder, and a size the planner cannot
+count (megamoe.plan.limits).
 """
 from __future__ import annotations
 
@@ -53,13 +55,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_outputs(args: argparse.Namespace, inputs: list) -> None:
+    """--json and --png: files apart from each other and from every input (one line, exit 2)."""
+    from megamoe.ownership import check_file_output
+
+    for flag, path in (("--json", args.json), ("--png", args.png)):
+        if path is not None:
+            check_file_output(path, flag, inputs)
+    if args.json is not None and args.png is not None:
+        check_file_output(args.png, "--png", [args.json])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_outputs(args, [args.config])
     from megamoe.plan.run import main as plan_main, parse_memory
     from megamoe.train.config import load_config
 
     memory = parse_memory(args.device_memory) if args.device_memory is not None else None
     config = load_config(args.config, args.overrides)
+    check_outputs(args, [args.config, config.data.tokenizer])
     logging.getLogger("megatron").setLevel(logging.ERROR)
     return plan_main(config, args.world, args.ranks, memory, args.maxvio, args.json, args.png,
                      args.measure, max(1, args.top))

@@ -9,38 +9,46 @@ Reads RUN/metrics.jsonl (or a metrics.jsonl path) written by `python -m megamoe.
   step's batch, Wang et al., arXiv 2408.15664);
 - experts_per_token.png: mean experts chosen per token per layer (varies with top-p routing);
 - loss.png: the training loss.
-A step logged twice (a run resumed after a crash) counts once, with its last record.
+A step logged twice (a run resumed after a crash) counts once, with its last record. OUT is
+marked as the tool's (megamoe.ownership): a folder of anyone else's, or one around the metrics
+file, is refused in one line.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megamoe.errors import DataError, run_cli  # noqa: E402
+from megamoe.bounded import bounded_lines, parse_json  # noqa: E402
+from megamoe.errors import CliArgumentParser, DataError, run_cli  # noqa: E402
+from megamoe.ownership import check_folder_output, claim_folder  # noqa: E402
 
 _LAYER = re.compile(r"moe/layer(\d+)/(\w+)$")
+TOOL = "plot_expert_load"
+MAX_RECORD_BYTES = 16 * 2**20  # one metrics line (per-layer loads of many experts)
+
+
+def metrics_file(path: Path) -> Path:
+    """RUN/metrics.jsonl for a run folder, else `path` itself."""
+    return path / "metrics.jsonl" if path.is_dir() else path
 
 
 def read_metrics(path: Path) -> list[dict]:
     """The records of a metrics.jsonl file, one per step (the last of duplicates), by step."""
-    if path.is_dir():
-        path = path / "metrics.jsonl"
+    path = metrics_file(path)
     if not path.is_file():
         raise DataError(f"no metrics file at {path}; pass a run's output_dir or its metrics.jsonl")
     by_step = {}
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in bounded_lines(path, MAX_RECORD_BYTES, DataError, str(path)):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = parse_json(line, DataError, f"{path} line {number}")
             if "event" not in record:  # event lines (a guard tripped) carry no metrics
                 by_step[int(record["step"])] = record
-        except (ValueError, KeyError, TypeError):
+        except (DataError, ValueError, KeyError, TypeError):
             raise DataError(f"{path} line {number} is not a metrics record (JSON with a "
                             "'step'); is this a megamoe.train metrics file?") from None
     if not by_step:
@@ -108,7 +116,7 @@ def plot_run(metrics: Path, out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out.mkdir(parents=True, exist_ok=True)
+    out = claim_folder(out, TOOL, "--out", inputs=[metrics_file(metrics)])
     written = [out / "expert_load.png", out / "maxvio.png", out / "experts_per_token.png",
                out / "loss.png"]
     _plot_load(plt, loads, written[0])
@@ -123,12 +131,14 @@ def plot_run(metrics: Path, out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = CliArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path, help="a run's output_dir or its metrics.jsonl")
     parser.add_argument("--out", type=Path, help="folder for the PNGs (default: RUN/plots)")
     args = parser.parse_args(argv)
     run_dir = args.run if args.run.is_dir() else args.run.parent
-    for path in plot_run(args.run, args.out or run_dir / "plots"):
+    out = args.out or run_dir / "plots"
+    check_folder_output(out, TOOL, "--out", inputs=[metrics_file(args.run)])
+    for path in plot_run(args.run, out):
         print(path)
     return 0
 

@@ -1,12 +1,19 @@
 """Tokenize jsonl or plain-text files into a Megatron indexed dataset (PREFIX.bin / PREFIX.idx).
 
+    python tools/preprocess_data.py --input a.jsonl --output-prefix data/corpus \\
+        --tokenizer MODEL_DIR            # a model's own tokenizer (folder, tokenizer.json, .model)
     python tools/preprocess_data.py --input a.jsonl b.txt --output-prefix data/corpus \\
         --train-tokenizer --vocab-size 4096          # also writes data/corpus.model
-    python tools/preprocess_data.py --input a.jsonl --output-prefix data/corpus \\
-        --tokenizer-model tok.model
 
 `*.jsonl` / `*.json` files hold one JSON object a line (text under --json-key); any other file is
-UTF-8 text with one document per blank-line-separated paragraph. Every document ends with EOD.
+UTF-8 text with one document per blank-line-separated paragraph. Each document is written as the
+ids transformers' AutoTokenizer gives it (BOS included when the model adds one) and then the
+end-of-document id (the tokenizer's EOS): the stream Megatron-LM's preprocess_data.py
+--tokenizer-type HuggingFaceTokenizer --append-eod writes (its core_v0.16 releases leave BOS
+out unless given --tokenizer-hf-include-special-tokens; later ones include it). Documents
+without any token are left out, as Megatron-LM leaves them out. PREFIX.tokenizer-identity.json
+records the tokenizer. --workers processes tokenize in parallel (a progress bar on a terminal
+shows MB/s and documents/s); outputs appear only when whole.
 """
 
 from __future__ import annotations
@@ -17,20 +24,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megamoe.errors import DataError, run_cli  # noqa: E402
+from megamoe.errors import CliArgumentParser, DataError, int_at_least, run_cli  # noqa: E402
 from megamoe.train.data_prep import preprocess  # noqa: E402
 from megamoe.train.tokenizer import MODEL_TYPES  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CliArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--input", nargs="+", required=True, help="jsonl or text files")
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--output-prefix", required=True,
+                        help="writes PREFIX.bin, PREFIX.idx and PREFIX.tokenizer-identity.json")
     parser.add_argument("--json-key", default="text", help="field holding the text in jsonl")
     tok = parser.add_mutually_exclusive_group(required=True)
-    tok.add_argument("--tokenizer-model", help="an existing SentencePiece .model file")
+    tok.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer",
+                     help="a model folder (tokenizer.json / tokenizer.model and their configs), "
+                          "a tokenizer.json or a SentencePiece .model file")
     tok.add_argument(
         "--train-tokenizer",
         action="store_true",
@@ -38,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--vocab-size", type=int, help="vocabulary size for --train-tokenizer")
     parser.add_argument("--model-type", choices=MODEL_TYPES, default="bpe")
-    parser.add_argument("--workers", type=int, help="tokenizer threads (default: all cores)")
+    parser.add_argument("--workers", type=int_at_least(1),
+                        help="tokenizer processes (default: the cores this process may use)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return parser
@@ -51,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = preprocess(
         args.input,
         args.output_prefix,
-        tokenizer_model=args.tokenizer_model,
+        tokenizer_model=args.tokenizer,
         vocab_size=args.vocab_size,
         model_type=args.model_type,
         json_key=args.json_key,

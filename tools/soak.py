@@ -9,7 +9,8 @@ Launches `python -m megamoe.train --config configs/tiny_cpu.yaml` (under torchru
 process each time the run's metrics.jsonl passes a multiple of `--sample-every` steps. Writes
 OUT/soak.json (the samples and the summary) and OUT/soak_rss.png, and prints the growth of the
 total RSS from the end of the warm-up to the end of the run against the bar: flat within 5%
-after warm-up. Exit code 1 when the run fails or the growth exceeds the bar.
+after warm-up. Exit code 1 when the run fails or the growth exceeds the bar. OUT is marked as
+the soak test's (megamoe.ownership); a folder of anyone else's is refused in one line.
 """
 from __future__ import annotations
 
@@ -20,11 +21,15 @@ import sys
 import time
 from pathlib import Path
 
+from megamoe.bounded import bounded_lines
 from megamoe.errors import CliArgumentParser, ConfigError, int_at_least, run_cli
+from megamoe.ownership import check_folder_output, claim_folder
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_cpu.yaml"
 BAR_PERCENT = 5.0
+MAX_RECORD_BYTES = 16 << 20  # one metrics line
+TOOL = "soak"
 
 
 def parse_args(argv):
@@ -50,6 +55,7 @@ def parse_args(argv):
     if args.warmup >= args.steps:
         raise ConfigError(f"--warmup={args.warmup} must be below --steps={args.steps} (its "
                           "default: --sample-every or a tenth of the steps, the larger)")
+    check_folder_output(args.out, TOOL, "--out")
     return args
 
 
@@ -92,15 +98,15 @@ def trainer_pids(root: int, nproc: int) -> list[int]:
 
 
 def steps_done(metrics: Path) -> int:
-    if not metrics.is_file():
-        return 0
-    lines = metrics.read_text().splitlines()
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError):
-            continue  # a line being written
-    return 0
+    """The step of the run's last complete metrics record (0 before the first)."""
+    step = 0
+    if metrics.is_file():
+        for _, line in bounded_lines(metrics, MAX_RECORD_BYTES, ConfigError, str(metrics)):
+            try:
+                step = int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                continue  # an event record, or a line being written
+    return step
 
 
 def summarise(samples: list[dict], warmup: int) -> dict:
@@ -141,8 +147,7 @@ def plot(samples: list[dict], summary: dict, path: Path) -> None:
 
 
 def soak(args) -> int:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = claim_folder(args.out, TOOL, "--out")
     metrics = out / "run" / "metrics.jsonl"
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
     log = open(out / "trainer.log", "a", encoding="utf-8")

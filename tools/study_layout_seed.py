@@ -8,7 +8,9 @@
 
 Prints, per layout, the step-1 loss and the largest loss difference from the one-process run
 over all steps against the bar (1e-4), and writes OUT/layout_seed.json (every step's loss per
-layout) and OUT/layout_seed.png (the curves). Exit code 1 when a layout misses the bar.
+layout) and OUT/layout_seed.png (the curves). Exit code 1 when a layout misses the bar. OUT and
+its run folders are marked as the study's (megamoe.ownership): an OUT of anyone else's is refused
+in one line before anything trains, and so is a run whose metrics.jsonl cannot be read.
 """
 from __future__ import annotations
 
@@ -19,11 +21,14 @@ from pathlib import Path
 
 from megamoe.atomic import atomic_write_text
 from megamoe.children import end_children_on_sigterm, run_child
-from megamoe.errors import CliArgumentParser, ConfigError, int_at_least, run_cli
+from megamoe.errors import CliArgumentParser, ConfigError, DataError, int_at_least, run_cli
+from megamoe.ownership import check_folder_output, claim_folder, fresh_folder
+from study_routing import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_cpu.yaml"
 BAR = 1e-4
+TOOL = "study_layout_seed"
 LAYOUTS = {  # name -> (processes, parallel overrides)
     "tp2_sp": (2, {"tensor": 2, "expert": 1}),
     "pp2": (2, {"pipeline": 2, "expert": 1}),
@@ -46,12 +51,15 @@ def parse_args(argv):
     unknown = [name for name in args.layouts if name not in LAYOUTS]
     if unknown or not args.layouts:
         raise ConfigError(f"--layouts {unknown or '(empty)'}: choose from {', '.join(LAYOUTS)}")
+    check_folder_output(args.out, TOOL, "--out")
     return args
 
 
 def train(out: Path, processes: int, parallel: dict, steps: int, overrides: list[str]
           ) -> list[float]:
-    """Train the tiny config at one layout; the loss of every step."""
+    """Train the tiny config at one layout in `out` (a fresh folder of the study's); the loss
+    of every step."""
+    fresh_folder(out, TOOL, "--out")
     launcher = [sys.executable, "-m", "megamoe.train"]
     if processes > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -63,8 +71,11 @@ def train(out: Path, processes: int, parallel: dict, steps: int, overrides: list
                     "logging.tensorboard=false", *overrides, *settings])
     if done.returncode != 0:
         raise SystemExit(f"the run in {out} failed:\n{done.stderr[-3000:]}")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in records if "loss" in r and "event" not in r]
+    losses = [r["loss"] for r in read_metrics(out) if "loss" in r]
+    if not losses or not all(isinstance(v, (int, float)) for v in losses):
+        raise DataError(f"{out}/metrics.jsonl holds no numeric loss of any step; is it this "
+                        "run's?")
+    return losses
 
 
 def plot(curves: dict[str, list[float]], path: Path) -> None:
@@ -84,7 +95,7 @@ def plot(curves: dict[str, list[float]], path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = Path(args.out)
+    out = claim_folder(args.out, TOOL, "--out")
     curves = {}
     end_children_on_sigterm()
     runs = [("one_process", 1, {"expert": 1})] + [(n, *LAYOUTS[n]) for n in args.layouts]

@@ -16,7 +16,10 @@ OUT/study.md and OUT/study.json (the table and the claims), OUT/*.png (held-out 
 global and per micro-batch per layer, experts per token per layer, dropped tokens, step time)
 and OUT/base.yaml; the runs themselves train in a temporary folder that is removed, or in
 `--runs DIR`, where a variant whose run already finished is read back
-instead of trained again, so an interrupted study resumes. Each claim is printed as
+instead of trained again, so an interrupted study resumes. OUT, DIR and each run folder in it
+are marked as the study's (megamoe.ownership): the study replaces only folders it marked (or
+empty ones) and refuses any other in one line, before anything trains; a run it cannot read
+(a malformed metrics.jsonl or config.yaml) is refused in one line too. Each claim is printed as
 one line saying whether it held. `--quick` (CI) trains a few steps of a smaller batch: it checks
 the pipeline, not the claims.
 
@@ -54,11 +57,16 @@ import torch
 import yaml
 
 from megamoe.balancing import maxvio
+from megamoe.bounded import bounded_lines, parse_json, parse_yaml, read_bounded
 from megamoe.children import end_children_on_sigterm, run_child
-from megamoe.errors import CliArgumentParser, ConfigError, int_at_least, run_cli
+from megamoe.errors import CliArgumentParser, ConfigError, DataError, int_at_least, run_cli
+from megamoe.ownership import check_folder_output, claim_folder, fresh_folder, replace_folder
+from megamoe.paths import refuse_overlap
 
 ROOT = Path(__file__).resolve().parent.parent
 TAIL = 50  # steps averaged for the table ("last 50 steps")
+MAX_RECORD_BYTES = 16 * 2**20  # one metrics.jsonl line (per-layer loads of many experts)
+MAX_CONFIG_BYTES = 2**20  # a run's config.yaml
 
 BASE_CONFIG = {
     "model": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
@@ -111,9 +119,32 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
 
 
 def finished(out: Path, steps: int) -> bool:
-    """True when `out` holds a run that logged its last step."""
+    """True when `out` holds a run that logged its last step (an unreadable metrics.jsonl is
+    a one-line DataError)."""
     metrics = out / "metrics.jsonl"
     return metrics.is_file() and any(r["step"] == steps for r in read_metrics(out))
+
+
+def check_outputs(args: argparse.Namespace, steps: int) -> None:
+    """Before anything trains: --out and --runs apart, --out replaceable by the study, --runs
+    and each variant's run folder in it either the study's (marked), empty, absent or (a
+    folder from before marks existed) a finished run, which is only read; one-line
+    ConfigError (a DataError for an unreadable finished run) otherwise."""
+    check_folder_output(args.out, args.study, "--out")
+    if not args.runs:
+        return
+    try:
+        refuse_overlap(args.runs, [args.out], "--runs")
+    except ConfigError:
+        raise ConfigError(f"--runs {args.runs} and --out {args.out} overlap: the study replaces "
+                          "--out when it ends; choose folders apart") from None
+    check_folder_output(args.runs, args.study, "--runs")
+    for name in args.names:
+        run = Path(args.runs) / name
+        if finished(run, steps):
+            read_config(run)
+        else:
+            check_folder_output(run, args.study, "--runs")
 
 
 def study_arguments(study: str, variants: dict, description: str, argv) -> argparse.Namespace:
@@ -147,12 +178,12 @@ def train_variants(args: argparse.Namespace, variants: dict, base_config: dict,
     finished, the names that failed, the steps each trains); exits 1 when none finished."""
     base_yaml = work / "base.yaml"
     base_yaml.write_text(yaml.safe_dump(base_config, sort_keys=False))
-    runs = Path(args.runs).resolve() if args.runs else work / "runs"
-    steps = 3 if args.quick else base_config["training"]["train_steps"]
+    runs = claim_folder(args.runs or work / "runs", args.study, "--runs")
+    steps = study_steps(args, base_config)
 
     def train(name: str) -> Path | None:
         return train_run(name, [*variants[name][1], *(QUICK if args.quick else [])], base_yaml,
-                         runs, steps)
+                         runs, steps, args.study)
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         folders = dict(zip(args.names, pool.map(train, args.names)))
@@ -161,6 +192,11 @@ def train_variants(args: argparse.Namespace, variants: dict, base_config: dict,
         raise SystemExit(1)
     return ({n: f for n, f in folders.items() if f is not None},
             [n for n, f in folders.items() if f is None], steps)
+
+
+def study_steps(args: argparse.Namespace, base_config: dict) -> int:
+    """Steps each variant trains: 3 with --quick, else the base config's."""
+    return 3 if args.quick else base_config["training"]["train_steps"]
 
 
 def study_json(settings: str, base_config: dict, variants: dict, rows: dict, results,
@@ -181,16 +217,17 @@ def study_folder(out: str) -> tuple[Path, Path]:
 
 
 def train_run(name: str, overrides: list[str], base_yaml: Path, runs: Path,
-              steps: int) -> Path | None:
-    """Train `base_yaml` with `overrides` into runs/name through the public entry point (a
-    finished run there is reused); returns its output folder, or None (and says why) when the
-    run failed."""
+              steps: int, study: str) -> Path | None:
+    """Train `base_yaml` with `overrides` into runs/name, a folder marked as `study`'s,
+    through the public entry point (a finished run there is reused; an unfinished one
+    replaced only when it is the study's); returns its output folder, or None (and says why)
+    when the run failed."""
     out = runs / name
     overrides = [f"output_dir={out}", *overrides]
     if finished(out, steps):
         print(f"[{name}] reusing the finished run in {out}", flush=True)
         return out
-    shutil.rmtree(out, ignore_errors=True)
+    fresh_folder(out, study, "--runs")
     # One intra-op thread: on 2 shared cores a second spinning thread only slows the step.
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "megamoe.train", "--config", str(base_yaml), *overrides]
@@ -207,13 +244,48 @@ def train_run(name: str, overrides: list[str], base_yaml: Path, runs: Path,
 
 
 def read_metrics(folder: Path) -> list[dict]:
-    """Step records of metrics.jsonl, the last one of each step, in step order."""
+    """Step records of metrics.jsonl, the last one of each step, in step order; read line by
+    line within MAX_RECORD_BYTES, a line that is not a metrics record a one-line DataError."""
+    path = folder / "metrics.jsonl"
     by_step = {}
-    for line in (folder / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    for number, line in bounded_lines(path, MAX_RECORD_BYTES, DataError, str(path)):
+        if not line.strip():
+            continue
+        record = parse_json(line, DataError, f"{path} line {number}")
+        if not isinstance(record, dict) or not (type(record.get("step")) is int
+                                                or "event" in record):
+            raise DataError(f"{path} line {number} is not a metrics record (a JSON object with "
+                            "an integer 'step'); is the run a megamoe.train run? Move it out of "
+                            "--runs to train it again")
         if "event" not in record:
             by_step[record["step"]] = record
     return [by_step[s] for s in sorted(by_step)]
+
+
+def read_config(folder: Path) -> dict:
+    """A run's config.yaml (bounded, one-line DataError when it is not a mapping)."""
+    path = folder / "config.yaml"
+    config = parse_yaml(read_bounded(path, MAX_CONFIG_BYTES, DataError, str(path)), DataError,
+                        str(path))
+    if not isinstance(config, dict):
+        raise DataError(f"{path} is not a training config (a mapping); move the run out of "
+                        "--runs to train it again")
+    return config
+
+
+def summarise_runs(all_records: dict[str, list[dict]], folders: dict[str, Path],
+                   summarise) -> dict[str, dict]:
+    """`summarise(records)` of each run; a run whose records lack what the table needs (a
+    metrics.jsonl of another program, say) is a one-line DataError naming its folder."""
+    rows = {}
+    for name, records in all_records.items():
+        try:
+            rows[name] = summarise(records)
+        except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as err:
+            raise DataError(f"{folders[name]}/metrics.jsonl lacks what the study reads "
+                            f"({type(err).__name__}: {str(err)[:80]}); is it a megamoe.train "
+                            "run of this study? Move it out of --runs to train it again") from None
+    return rows
 
 
 def layers_of(records: list[dict]) -> list[int]:
@@ -256,9 +328,16 @@ def iid_maxvio(tokens: int, experts: int, topk: int, trials: int = 20) -> float:
 def sampling_floor(folder: Path) -> str:
     """What MaxVio independent, perfectly balanced top-k tokens would show at the batch of the
     run in `folder`: per step and pooled over TAIL steps."""
-    config = yaml.safe_load((folder / "config.yaml").read_text())
-    tokens = config["training"]["global_batch_size"] * config["model"]["seq_length"]
-    experts, topk = config["moe"]["num_experts"], config["moe"].get("topk", 2)
+    config = read_config(folder)
+    try:
+        tokens = config["training"]["global_batch_size"] * config["model"]["seq_length"]
+        experts, topk = config["moe"]["num_experts"], config["moe"].get("topk", 2)
+        if not all(type(v) is int and v > 0 for v in (tokens, experts, topk)) or topk > experts:
+            raise TypeError
+    except (KeyError, TypeError, AttributeError):
+        raise DataError(f"{folder / 'config.yaml'} lacks a positive training.global_batch_size, "
+                        "model.seq_length, moe.num_experts and moe.topk <= num_experts; move "
+                        "the run out of --runs to train it again") from None
     per_step, pooled = (iid_maxvio(n, experts, topk) for n in (tokens, TAIL * tokens))
     return (f"Sampling floor: {tokens:,} independent tokens per step, each picking {topk} of "
             f"{experts} experts uniformly at random, give MaxVio {per_step:.3f} per step and "
@@ -428,13 +507,12 @@ def plot(all_records: dict[str, list[dict]], out: Path) -> None:
         save(fig, key)
 
 
-def publish(work: Path, out: Path) -> None:
-    """Put the finished study folder `work` (its runs removed) in place of `out`."""
+def publish(work: Path, out: Path, study: str) -> None:
+    """Put the finished study folder `work` (its runs removed) in place of `out`, which must
+    be empty or the study's own (megamoe.ownership.replace_folder)."""
     shutil.rmtree(work / "runs", ignore_errors=True)
-    if out.exists():
-        shutil.rmtree(out)
     work.chmod(0o755)
-    work.rename(out)
+    replace_folder(work, out, study, "--out")
 
 
 def failed_note(failed: list[str]) -> str:
@@ -448,13 +526,14 @@ def run_study(args: argparse.Namespace, variants: dict, base_config: dict, repor
     `report(work, folders, failed, steps, seconds)` write its study.md, study.json and plots
     there and return its claims, publish the folder as `args.out` and print each claim with
     `verdict(held)`; exit status 1 when a variant failed."""
+    check_outputs(args, study_steps(args, base_config))
     out, work = study_folder(args.out)
     end_children_on_sigterm()
     try:
         started = time.perf_counter()
         folders, failed, steps = train_variants(args, variants, base_config, work)
         results = report(work, folders, failed, steps, time.perf_counter() - started)
-        publish(work, out)
+        publish(work, out, args.study)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for claim, held, numbers in results:
@@ -467,7 +546,7 @@ def report(args: argparse.Namespace, work: Path, folders: dict[str, Path], faile
            steps: int, seconds: float) -> list:
     """The routing study's study.md, study.json and plots in `work`; its claims."""
     all_records = {n: read_metrics(folder) for n, folder in folders.items()}
-    rows = {n: summarise(r) for n, r in all_records.items()}
+    rows = summarise_runs(all_records, folders, summarise)
     results = claims(rows)
     training_s = sum(sum(series(records, "step_time_s")) for records in all_records.values())
     settings = (f"{'QUICK (pipeline check only) ' if args.quick else ''}{len(args.names)} "

@@ -45,8 +45,10 @@ different merging coefficients; its masks overlap less than independent masks of
 density would. Nothing is tuned towards them. Writes OUT/study.md, OUT/study.json and the PNGs
 atomically; the runs train in a temporary folder that is removed, or with `--runs DIR` in
 DIR/seed<k>, kept, where a rerun (after a crash, say) reuses every run that finished with the
-same command. `--quick` (CI) runs every step at a few iterations: it checks the pipeline, not
-the claims.
+same command. OUT, DIR and each seed folder are marked as the study's (megamoe.ownership): it
+replaces only folders it marked (or empty ones), refuses any other in one line before anything
+trains, and refuses a run it cannot read (a malformed record or metrics.jsonl) in one line.
+`--quick` (CI) runs every step at a few iterations: it checks the pipeline, not the claims.
 """
 from __future__ import annotations
 
@@ -68,8 +70,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
+from megamoe.bounded import bounded_lines, parse_json, read_bounded, read_json  # noqa: E402
 from megamoe.children import end_children_on_sigterm, run_child  # noqa: E402
-from megamoe.errors import CliArgumentParser, int_at_least, run_cli  # noqa: E402
+from megamoe.errors import (CliArgumentParser, ConfigError, DataError, int_at_least,  # noqa: E402
+                            run_cli)
+from megamoe.ownership import (check_folder_output, claim_folder, fresh_folder,  # noqa: E402
+                               replace_folder)
+from megamoe.paths import refuse_overlap  # noqa: E402
 
 SEED_CONFIG = ROOT / "configs" / "simoe_dense_seed.yaml"
 INSTRUCT_CONFIG = ROOT / "configs" / "simoe_instruct.yaml"
@@ -88,6 +95,8 @@ CACHE: list[str] = []  # the data.cache_dir override of every run (--cache-dir)
 RUN_ENV = {"TORCHDYNAMO_DISABLE": "1"}  # + OMP_NUM_THREADS when runs share the cores (--jobs)
 SIZES_STAMP = "study_sizes.json"  # in each --runs seed folder: the sizes its runs trained at
 _TRAINABLE = re.compile(r"([\d,]+) of ([\d,]+) parameters train")
+TOOL = "study_simoe"  # the name its folders are marked with
+MAX_RECORD_BYTES = 64 * 2**20  # a run's record (its command and stdout) or one metrics line
 
 
 def run(command: list[str], label: str, output: Path) -> tuple[str, float]:
@@ -97,7 +106,11 @@ def run(command: list[str], label: str, output: Path) -> tuple[str, float]:
     other over."""
     record = output.with_name(output.name + ".study_run.json")
     if record.is_file():
-        kept = json.loads(record.read_text())
+        kept = read_json(record, MAX_RECORD_BYTES, DataError)
+        if not (isinstance(kept, dict) and isinstance(kept.get("stdout"), str)
+                and type(kept.get("seconds")) in (int, float)):
+            raise DataError(f"{record} is not a study_simoe run record; remove it (and "
+                            f"{output.name}) to run again")
         if kept.get("command") == command:
             print(f"[{label}] reusing the finished run in {output}", flush=True)
             return kept["stdout"], kept["seconds"]
@@ -124,8 +137,22 @@ def train(config: Path, out: Path, overrides: list[str], label: str) -> tuple[di
     stdout, seconds = run(["-m", "megamoe.train", "--config", str(config), f"output_dir={out}",
                            "logging.progress_bar=false", "logging.tensorboard=false",
                            *CACHE, *overrides], label, out)
-    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    return last, stdout, seconds
+    return last_record(out / "metrics.jsonl"), stdout, seconds
+
+
+def last_record(metrics: Path) -> dict:
+    """The last record of a run's metrics.jsonl, read line by line within MAX_RECORD_BYTES; a
+    file without one, or a line that is not a JSON object, is a one-line DataError."""
+    last = None
+    for number, line in bounded_lines(metrics, MAX_RECORD_BYTES, DataError, str(metrics)):
+        if line.strip():
+            last = parse_json(line, DataError, f"{metrics} line {number}")
+            if not isinstance(last, dict):
+                raise DataError(f"{metrics} line {number} is not a metrics record (a JSON "
+                                "object); remove the run to train it again")
+    if last is None:
+        raise DataError(f"{metrics} holds no metrics record; remove the run to train it again")
+    return last
 
 
 def parameter_counts(stdout: str) -> tuple[int, int]:
@@ -186,11 +213,33 @@ def rate_overrides(method: str, lr: float) -> list[str]:
     return overrides
 
 
-def foreign_folders(runs: Path, seeds: int) -> list[Path]:
-    """Seed folders under `runs` that exist but are not a study's (never touched)."""
-    folders = (runs / f"seed{seed}" for seed in range(seeds))
-    return [folder for folder in folders
-            if folder.exists() and not (folder / SIZES_STAMP).is_file()]
+def check_outputs(out: str, runs: str | None, seeds: int, cache_dir: str | None) -> None:
+    """Before anything trains: --out replaceable by the study, and --runs and its seed folders
+    the study's (marked), empty or absent, apart from --out, neither around nor inside the
+    configs or the corpus cache the study reads; a one-line ConfigError otherwise (nothing
+    touched)."""
+    inputs = [SEED_CONFIG, INSTRUCT_CONFIG, cache_dir]
+    check_folder_output(out, TOOL, "--out", inputs)
+    if runs is None:
+        return
+    refuse_overlap(runs, inputs, "--runs")
+    try:
+        refuse_overlap(runs, [out], "--runs")
+    except ConfigError:
+        raise ConfigError(f"--runs {runs} and --out {out} overlap: the study replaces --out "
+                          "when it ends; choose folders apart") from None
+    for seed in range(seeds):
+        check_folder_output(Path(runs) / f"seed{seed}", TOOL, "--runs")
+    check_folder_output(runs, TOOL, "--runs")
+
+
+def _holds(path: Path, text: str) -> bool:
+    """Whether the file `path` holds exactly `text` (False when it is missing, larger or not
+    a regular file)."""
+    try:
+        return read_bounded(path, len(text.encode()), DataError, str(path)) == text
+    except DataError:
+        return False
 
 
 @contextlib.contextmanager
@@ -203,9 +252,11 @@ def seed_folder(runs: Path | None, seed: int, sizes: dict) -> Iterator[Path]:
         return
     folder, wanted = runs / f"seed{seed}", json.dumps(sizes, sort_keys=True)
     stamp = folder / SIZES_STAMP
-    if stamp.is_file() and stamp.read_text() != wanted:
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    claim_folder(runs, TOOL, "--runs")
+    if _holds(stamp, wanted):
+        claim_folder(folder, TOOL, "--runs")
+    else:
+        fresh_folder(folder, TOOL, "--runs")
     stamp.write_text(wanted)
     yield folder
 
@@ -320,10 +371,9 @@ def _load_simoe(run_dir: Path):
     from megamoe.train.checkpoint import load_model_weights
     from megamoe.train.config import load_config
     from megamoe.train.inputs import data_sources
-    from megamoe.train.tokenizer import SentencePieceTokenizer
 
     config = load_config(str(run_dir / "config.yaml"), [])
-    tokenizer = SentencePieceTokenizer(data_sources(config)[1])
+    tokenizer = data_sources(config)[1]
     model = _simoe_model(config, tokenizer.vocab_size)
     load_model_weights(run_dir / "checkpoints", model, config)
     return model.eval(), tokenizer, config
@@ -553,13 +603,19 @@ def plots(result: dict, out: Path) -> None:
 
 
 def write(result: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    plots(result, out)
-    for name, text in (("study.json", json.dumps(result, indent=1)),
-                       ("study.md", markdown(result))):
-        partial = out / f".{name}.partial"
-        partial.write_text(text)
-        os.replace(partial, out / name)
+    """study.json, study.md and the plots, written in a folder beside `out` that then replaces
+    it (only if `out` is empty or the study's: megamoe.ownership.replace_folder)."""
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        plots(result, work)
+        (work / "study.json").write_text(json.dumps(result, indent=1))
+        (work / "study.md").write_text(markdown(result))
+        work.chmod(0o755)
+        replace_folder(work, out, TOOL, "--out")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _rates(text: str) -> tuple[float, ...]:
@@ -597,12 +653,8 @@ def main(argv=None) -> int:
         CACHE.append(f"data.cache_dir={args.cache_dir}")
     if args.jobs > 1:
         RUN_ENV["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.jobs))
+    check_outputs(args.out, args.runs, (QUICK if args.quick else FULL)["seeds"], args.cache_dir)
     runs = Path(args.runs).resolve() if args.runs else None
-    foreign = foreign_folders(runs, (QUICK if args.quick else FULL)["seeds"]) if runs else []
-    if foreign:
-        print(f"study_simoe: --runs {args.runs}: {foreign[0]} is not a study_simoe seed folder; "
-              "pick another --runs", file=sys.stderr)
-        return 2
     end_children_on_sigterm()
     result = study(args.quick, args.jobs, rates, runs)
     write(result, Path(args.out))

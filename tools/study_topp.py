@@ -36,7 +36,7 @@ from pathlib import Path
 from megamoe.errors import run_cli
 from study_routing import BASE_CONFIG as ROUTING_BASE
 from study_routing import (failed_note, layers_of, read_metrics, run_study, series,
-                           study_arguments, study_json)
+                           study_arguments, study_json, summarise_runs)
 
 TAIL = 50  # steps averaged for "at the end of training"
 PAPER_P = 0.4  # the paper's and its code's threshold
@@ -254,7 +254,7 @@ def report(args, work: Path, folders: dict[str, Path], failed: list[str], steps:
            seconds: float) -> list:
     """The top-p study's study.md, study.json and plots in `work`; its claims."""
     all_records = {n: read_metrics(folder) for n, folder in folders.items()}
-    rows = {n: summarise(r) for n, r in all_records.items()}
+    rows = summarise_runs(all_records, folders, summarise)
     results = claims(rows)
     tokens = BASE_CONFIG["training"]["global_batch_size"] * BASE_CONFIG["model"]["seq_length"]
     settings = (f"{'QUICK (pipeline check only) ' if args.quick else ''}{len(args.names)} "

@@ -3,11 +3,12 @@
     python tools/upcycle_ckpt.py --load DENSE --save OUT --num-experts 8 --topk 2 [options]
 
 DENSE is a Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3: config.json and
-safetensors, sharded or not; OUT then also holds train_config.yaml, the model/moe sections of a
-megamoe training config for it, and the tokenizer), or a Megatron checkpoint: reads torch_dist or legacy (`iter_*/mp_rank_*/model_optim_rng.pt`) checkpoints at any TP/PP
-layout, writes a torch_dist MoE checkpoint in Megatron-Core's layout (loadable at any EP/TP/PP
-size) layer by layer, with a progress bar (stderr), and prints the Megatron-LM flags to train it
-with.
+safetensors, sharded or not; OUT then also holds train_config.yaml, a megamoe training config
+for it that names its tokenizer, kept in `OUT/release/tokenizer/` with the source's
+config.json for tools/export_hf.py), or a Megatron checkpoint: reads torch_dist or legacy
+(`iter_*/mp_rank_*/model_optim_rng.pt`) checkpoints at any TP/PP layout, writes a torch_dist MoE
+checkpoint in Megatron-Core's layout (loadable at any EP/TP/PP size) layer by layer, with a
+progress bar (stderr), and prints the Megatron-LM flags to train it with.
 `--verify` compares dense and MoE logits and prints the max absolute difference. Bad input
 gives one line on stderr and exit code 2, and leaves no output behind. See docs/upcycling.md.
 """
@@ -18,7 +19,9 @@ import ast
 from pathlib import Path
 
 from megamoe.errors import CliArgumentParser, ConfigError, run_cli
+from megamoe.ownership import check_folder_output
 from megamoe.upcycle import UpcycleRecipe, parse_moe_layers, upcycle_checkpoint
+from megamoe.upcycle.convert import TRAIN_CONFIG_FILE
 from megamoe.upcycle.recipe import (ACTIVATIONS, KEY_LAYOUTS, ROUTER_INITS, SCORE_FUNCTIONS,
                                     TARGET_SPECS, WEIGHT_SCALINGS)
 
@@ -96,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_folder_output(args.save, "upcycle_ckpt", "--save", [args.load], args.overwrite)
     if args.dense:
         from megamoe.interop.hf_dense import convert_hf_dense
         from megamoe.checkpointing.hf_source import is_hf_directory
@@ -127,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
                                 progress=not args.no_progress, log=print)
     print(f"MoE checkpoint: {result.output} (torch_dist in {result.checkpoint_dir})")
     print(f"train with: {megatron_lm_flags(result.record['megatron_settings'])}")
+    if (result.output / TRAIN_CONFIG_FILE).is_file():
+        print(f"train with megamoe: python -m megamoe.train --config "
+              f"{result.output / TRAIN_CONFIG_FILE}")
     if result.max_logit_diff is not None:
         print(f"max |logit diff| dense vs MoE: {result.max_logit_diff:.3e}")
     return 0

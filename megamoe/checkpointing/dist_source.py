@@ -51,7 +51,6 @@ class DistSource:
 
     format = "torch_dist"
     model_settings = None
-    side_files: list = []
 
     def __init__(self, directory: Path, moe: bool = False):
         """moe: also accept (and read) MoE layers, for exporters; the upcycler refuses them."""

@@ -56,10 +56,17 @@ class HFArch:
             num_attention_heads=self.num_attention_heads,
             num_query_groups=self.num_key_value_heads, ffn_hidden_size=self.intermediate_size,
             normalization="RMSNorm", position_embedding="rope",
-            rotary_base=int(self.rope_theta), rope_scaling_factor=self.rope_scaling_factor,
+            rotary_base=self.rope_theta, rope_scaling_factor=self.rope_scaling_factor,
             kv_channels=self.head_dim, add_qkv_bias=self.qkv_bias, norm_epsilon=self.rms_norm_eps,
             swiglu=True, qk_layernorm=self.qk_norm, share_embeddings=self.tie_word_embeddings,
             make_vocab_size_divisible_by=vocab_multiple(self.vocab_size))
+
+
+def megatron_lm_rotary_base(theta: float) -> int | float:
+    """`theta` as Megatron-LM's `--rotary-base` (an integer flag) takes it: an int when it is a
+    whole number a float holds exactly (below 2**53), else the float itself, never rounded (a
+    fractional base cannot be given as that flag; Megatron-Core's modules take it as it is)."""
+    return int(theta) if theta.is_integer() and abs(theta) < 2 ** 53 else theta
 
 
 def vocab_multiple(vocab_size: int) -> int:
@@ -81,8 +88,9 @@ def read_config_json(directory: Path) -> dict:
     return config
 
 
-def _rope(config: dict, where: Path) -> tuple[float, Optional[float]]:
-    """(rope_theta, Llama 3 scaling factor or None), refusing scalings Megatron lacks."""
+def _rope(config: dict, where: Path) -> tuple[Any, Optional[float]]:
+    """(rope_theta as given, Llama 3 scaling factor or None), refusing scalings Megatron
+    lacks."""
     params = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or params
     if not isinstance(params, dict) or not isinstance(scaling, dict):
@@ -91,7 +99,7 @@ def _rope(config: dict, where: Path) -> tuple[float, Optional[float]]:
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
-        return float(theta), None
+        return theta, None
     if kind != "llama3":
         raise CheckpointError(f"{where}: rope scaling {kind!r} is not supported (only Llama 3's "
                               "'llama3' scaling and none); convert a model without it")
@@ -100,7 +108,7 @@ def _rope(config: dict, where: Path) -> tuple[float, Optional[float]]:
             raise CheckpointError(f"{where}: llama3 rope scaling with {name}="
                                   f"{scaling.get(name)} differs from Megatron-Core's fixed "
                                   f"{value}; this model cannot be reproduced exactly")
-    return float(theta), float(scaling["factor"])
+    return theta, positive_field(scaling.get("factor"), "rope_scaling.factor", where)
 
 
 def read_hf_arch(directory: Path) -> HFArch:
@@ -185,6 +193,10 @@ def whole_field(config: dict, name: str, where: Path, limit: Optional[int] = Non
 
 
 def positive_field(value: Any, name: str, where: Path) -> float:
+    """`value` (a JSON number, not a string or a boolean) as a positive finite float, exactly
+    as given (no rounding), else a one-line error."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise CheckpointError(f"{where}: {name}={value!r:.40} must be a number")
     number = float(value)
     if not math.isfinite(number) or number <= 0:
         raise CheckpointError(f"{where}: {name}={value!r:.40} must be a positive finite number")

@@ -42,6 +42,12 @@ MIN_CORPUS_VOCAB = 100
 checks it)."""
 DEEPSEEK_GROUP_SCORE_TOPK = 2
 """DeepSeek-V3 scores an expert group by the sum of its two best biased scores."""
+DEEPSEEK_BIAS_UPDATE_RATE = 1e-3
+"""DeepSeek-V3's bias update speed gamma (arXiv 2412.19437, sec. 4.2)."""
+DEEPSEEK_SEQ_AUX_COEFF = 1e-4
+"""DeepSeek-V3's sequence-wise balance loss factor alpha (arXiv 2412.19437, sec. 4.2)."""
+DEFAULT_AUX = 1e-2
+"""The Switch loss weight when config.json gives none (Switch Transformer's, arXiv 2101.03961)."""
 
 
 @dataclass(frozen=True)
@@ -63,11 +69,21 @@ class HFMoE:
     topk_scaling_factor: Optional[float] = None
     expert_bias: bool = False
     """DeepSeek-V3's `e_score_correction_bias`, imported as megamoe's loss-free expert bias."""
-    aux_loss_coeff: float = 1e-2
+    aux_loss_coeff: float = DEFAULT_AUX
+    aux_from_config: bool = False
+    """`aux_loss_coeff` is config.json's router_aux_loss_coef (else DEFAULT_AUX)."""
+    global_batch_balance: bool = False
+    """Qwen3-MoE balances its experts over the global batch (its report, arXiv 2505.09388,
+    after Qiu et al., arXiv 2501.11873), not per micro-batch."""
 
     def moe_settings(self) -> dict[str, Any]:
-        """The megamoe training config's `moe` section."""
-        balancing = ["bias", "seq_aux_loss"] if self.expert_bias else "aux_loss"
+        """The megamoe training config's `moe` section: the routing that reproduces the model,
+        and its load balancing as the source model was trained with it (`balancing_notes`)."""
+        balancing: Any = "global_aux_loss" if self.global_batch_balance else "aux_loss"
+        extra = {}
+        if self.expert_bias:
+            balancing = ["bias", "seq_aux_loss"]
+            extra["bias_update_rate"] = DEEPSEEK_BIAS_UPDATE_RATE
         return dict(num_experts=self.num_experts, ffn_hidden_size=self.ffn_hidden_size,
                     topk=self.topk, score_function=self.score_function,
                     pre_softmax=self.pre_softmax, topk_scaling_factor=self.topk_scaling_factor,
@@ -75,7 +91,23 @@ class HFMoE:
                     group_score_topk=self.group_score_topk,
                     shared_expert_ffn_size=self.shared_expert_ffn_size,
                     shared_expert_gate=self.shared_expert_gate, balancing=balancing,
-                    aux_loss_coeff=self.aux_loss_coeff)
+                    aux_loss_coeff=self.aux_loss_coeff, **extra)
+
+    def balancing_notes(self, model_type: str) -> dict[str, str]:
+        """Why each balancing setting of `moe_settings` has its value (one line per key)."""
+        if self.expert_bias:
+            return {"balancing": "as DeepSeek-V3 trained (arXiv 2412.19437, sec. 2.1.2): "
+                                 "loss-free balancing by the expert bias (its "
+                                 "e_score_correction_bias), plus a small sequence-wise loss",
+                    "aux_loss_coeff": "DeepSeek-V3's sequence-wise balance factor alpha",
+                    "bias_update_rate": "DeepSeek-V3's bias update speed gamma (it set 0 for "
+                                        "its last 500B tokens: set 0 to freeze the routing)"}
+        kind = ("the Switch loss over the global batch, as Qwen3 trained (arXiv 2505.09388)"
+                if self.global_batch_balance else
+                f"the Switch load-balancing loss (arXiv 2101.03961) {model_type} trains with")
+        return {"balancing": kind,
+                "aux_loss_coeff": "config.json router_aux_loss_coef" if self.aux_from_config
+                else f"config.json gives no router_aux_loss_coef: megamoe's {DEFAULT_AUX}"}
 
 
 @dataclass(frozen=True)
@@ -181,9 +213,13 @@ class _Fields:
                                   f"supported ({why})")
 
 
-def _aux_coeff(fields: _Fields) -> float:
-    value = fields.config.get("router_aux_loss_coef", 1e-2)
-    return 1e-2 if not value else fields.positive("router_aux_loss_coef", 1e-2)
+def _aux_coeff(fields: _Fields) -> dict:
+    """HFMoE's aux_loss_coeff/aux_from_config: config.json's router_aux_loss_coef, else (absent,
+    null or 0) DEFAULT_AUX."""
+    if not fields.config.get("router_aux_loss_coef"):
+        return {"aux_loss_coeff": DEFAULT_AUX, "aux_from_config": False}
+    return {"aux_loss_coeff": fields.positive("router_aux_loss_coef", DEFAULT_AUX),
+            "aux_from_config": True}
 
 
 def _check_topk(fields: _Fields, experts: int, topk: int) -> None:
@@ -200,7 +236,7 @@ def _mixtral(config: dict, fields: _Fields, where: Path) -> HFMoEModel:
     experts, topk = fields.whole("num_local_experts"), fields.whole("num_experts_per_tok")
     _check_topk(fields, experts, topk)
     moe = HFMoE(num_experts=experts, topk=topk, ffn_hidden_size=arch.intermediate_size,
-                pattern=(True,) * arch.num_layers, aux_loss_coeff=_aux_coeff(fields))
+                pattern=(True,) * arch.num_layers, **_aux_coeff(fields))
     return HFMoEModel(arch, moe)
 
 
@@ -231,7 +267,7 @@ def _qwen_moe(config: dict, fields: _Fields, where: Path, kind: str) -> HFMoEMod
                 ffn_hidden_size=fields.whole("moe_intermediate_size", limit=1 << 20),
                 pattern=pattern, pre_softmax=not fields.flag("norm_topk_prob", False),
                 shared_expert_ffn_size=shared, shared_expert_gate=qwen2,
-                aux_loss_coeff=_aux_coeff(fields))
+                global_batch_balance=not qwen2, **_aux_coeff(fields))
     return HFMoEModel(arch, moe)
 
 
@@ -277,7 +313,7 @@ def _deepseek_v3(config: dict, fields: _Fields, where: Path) -> HFMoEModel:
                 groups_per_token=per_token if groups > 1 else None,
                 group_score_topk=DEEPSEEK_GROUP_SCORE_TOPK if groups > 1 else None,
                 topk_scaling_factor=None if scaling == 1.0 else scaling, expert_bias=True,
-                aux_loss_coeff=1e-4)
+                aux_loss_coeff=DEEPSEEK_SEQ_AUX_COEFF)
     q_rank = fields.whole("q_lora_rank", limit=1 << 16) if config.get("q_lora_rank") else None
     mla = HFMLA(q_lora_rank=q_rank, kv_lora_rank=fields.whole("kv_lora_rank", limit=1 << 16),
                 qk_head_dim=fields.whole("qk_nope_head_dim", limit=1 << 12),

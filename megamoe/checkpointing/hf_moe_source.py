@@ -31,15 +31,14 @@ from typing import Callable
 
 import torch
 
+from megamoe.checkpointing.expected_tensors import check_shapes
 from megamoe.checkpointing.hf_moe_arch import HFMoEModel, read_hf_moe_model
 from megamoe.checkpointing.hf_source import (HF_LAYER, LINEAR_EXTRA_STATE, NON_LAYER,
-                                             POST_ATTENTION_NORM, TOKENIZER_FILES,
-                                             attention_tensors, glu_fc1, none_bytes,
-                                             tensor_shapes)
+                                             POST_ATTENTION_NORM, attention_tensors, glu_fc1,
+                                             none_bytes, tensor_shapes)
 from megamoe.checkpointing.safetensors_io import SafetensorsReader
 from megamoe.checkpointing.sharded_keys import KeyLayout, ObjectItem, TensorChunk
 from megamoe.errors import CheckpointError
-from megamoe.paths import inside
 
 MLA_NAMES = {"self_attn.q_a_proj.weight": "self_attention.linear_q_down_proj.weight",
              "self_attn.q_a_layernorm.weight": "self_attention.q_layernorm.weight",
@@ -84,8 +83,6 @@ class HFMoESource:
         self.description = (f"Hugging Face {self.arch.model_type} ({self.num_layers} layers, "
                             f"{sum(pattern)} MoE with {self.moe.num_experts} experts, hidden "
                             f"{self.arch.hidden_size}) at {directory}")
-        self.side_files = [inside(directory, name) for name in TOKENIZER_FILES
-                           if (directory / name).is_file()]
         self.moe_prefix = "block_sparse_moe." if self.arch.model_type == "mixtral" else "mlp."
         self.expert_names = EXPERT_NAMES.get(self.arch.model_type, MLP_NAMES)
         self.dropped_mtp = self._check_names(drop_mtp)
@@ -161,21 +158,8 @@ class HFMoESource:
                 f"{self.directory} holds {len(mtp_layers)} layer(s) beyond num_hidden_layers="
                 f"{self.num_layers} (model.layers.{mtp_layers[0]}.*: multi-token prediction, "
                 "which megamoe does not train); pass --drop-mtp to import the model without them")
-        missing = sorted(set(expected) - names)
-        if missing:
-            raise CheckpointError(f"{self.directory} lacks tensor {missing[0]} ({len(missing)} "
-                                  f"missing) that config.json implies; the checkpoint is "
-                                  "incomplete or config.json is of another model")
-        extra = sorted(names - set(expected) - mtp)
-        if extra:
-            raise CheckpointError(f"{self.directory}: tensor {extra[0]} is not part of a "
-                                  f"{a.model_type} model as megamoe imports it (biases and "
-                                  "extra modules are not supported)")
-        for name, want in expected.items():
-            if self.reader.shapes[name] != want:
-                raise CheckpointError(f"{self.directory}: tensor {name} has shape "
-                                      f"{list(self.reader.shapes[name])} but config.json implies "
-                                      f"{list(want)}; the weights and the config differ")
+        check_shapes({name: shape for name, shape in self.reader.shapes.items()
+                      if name not in mtp}, expected, str(self.directory), "config.json")
         return len(mtp_layers)
 
     # -- reading -----------------------------------------------------------------------------

@@ -26,16 +26,14 @@ from typing import Callable, Iterator
 
 import torch
 
+from megamoe.checkpointing.expected_tensors import check_shapes
 from megamoe.checkpointing.hf_arch import HFArch, read_config_json, read_hf_arch
 from megamoe.checkpointing.safetensors_io import SafetensorsReader
 from megamoe.checkpointing.sharded_keys import ObjectItem
 from megamoe.checkpointing.source import DenseLayer
 from megamoe.errors import CheckpointError
-from megamoe.paths import inside
 
 HF_LAYER = "model.layers.{}."
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-                   "special_tokens_map.json", "vocab.json", "merges.txt", "generation_config.json")
 NON_LAYER = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
              "model.norm.weight": "decoder.final_layernorm.weight",
              "lm_head.weight": "output_layer.weight"}
@@ -143,8 +141,6 @@ class HFSource:
         self.description = (f"Hugging Face {self.arch.model_type} ({self.num_layers} layers, "
                             f"hidden {self.arch.hidden_size}) at {directory}")
         self.model_settings = self.arch.model_settings()
-        self.side_files = [inside(directory, name) for name in TOKENIZER_FILES
-                           if (directory / name).is_file()]
         self._check_names()
 
     def _check_names(self) -> None:
@@ -161,14 +157,11 @@ class HFSource:
         if not self.arch.tie_word_embeddings and "lm_head.weight" not in self.reader:
             raise CheckpointError(f"{self.directory} lacks lm_head.weight but config.json says "
                                   "tie_word_embeddings=false; the checkpoint is incomplete")
-        expected = tensor_shapes(self.arch)
-        for name, shape in self.reader.shapes.items():
-            want = expected.get(name.split(".", 3)[-1] if name.startswith("model.layers.")
-                                else name)
-            if want is not None and shape != want:
-                raise CheckpointError(f"{self.directory}: tensor {name} has shape {list(shape)} "
-                                      f"but config.json implies {list(want)}; the weights and "
-                                      "the config differ")
+        shapes = tensor_shapes(self.arch)
+        expected = {name: shapes[key] for name in names if (key := name.split(".", 3)[-1] if
+                    name.startswith("model.layers.") else name) in shapes}
+        check_shapes(self.reader.shapes, expected, str(self.directory), "config.json",
+                     complete=False)
 
     def layer(self, index: int) -> DenseLayer:
         prefix = HF_LAYER.format(index)

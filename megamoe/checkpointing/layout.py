@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from megamoe.atomic import atomic_write_text
+from megamoe.bounded import read_bytes_bounded
 from megamoe.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -24,7 +25,11 @@ LEGACY_LATEST = "latest"
 RELEASE = "release"
 """The folder a tracker holding `release` names: Megatron-LM's converted, step-less weights, where
 megamoe's converters (upcycle, import) write theirs."""
+CONVERTED_MODEL_KEY = "megamoe_model"
+"""Common-state key of the model settings (`model`, `moe` sections) a converter (upcycle, HF and
+DeepSpeed import) records in the checkpoint it writes."""
 _NAME = re.compile(r"iter_(\d{7})")
+MAX_MARKER_BYTES = 4096
 
 
 @dataclass
@@ -45,8 +50,8 @@ def read_tracker(ckpt_dir: Path, allow_release: bool = False) -> Optional[tuple[
     Megatron-LM's tracker (an iteration, or `release` when `allow_release`), else an older
     megamoe run's `latest` file."""
     tracker = ckpt_dir / TRACKER
-    if tracker.is_file():
-        text = tracker.read_bytes()[:64].decode("utf-8", "replace").strip()
+    if tracker.exists():  # a folder or device in its place is refused, not taken for none
+        text = _marker_text(tracker)
         if allow_release and text == RELEASE:
             return tracker, RELEASE
         if not text.isdigit() or not text.isascii():
@@ -56,8 +61,15 @@ def read_tracker(ckpt_dir: Path, allow_release: bool = False) -> Optional[tuple[
         return tracker, checkpoint_name(int(text))
     legacy = ckpt_dir / LEGACY_LATEST
     if legacy.is_file():
-        return legacy, legacy.read_bytes()[:64].decode("utf-8", "replace").strip()
+        return legacy, _marker_text(legacy)
     return None
+
+
+def _marker_text(path: Path) -> str:
+    """The stripped text of a tracker file, which holds one short line (at most MAX_MARKER_BYTES:
+    a larger file, a folder or a device in its place is refused in one line)."""
+    raw = read_bytes_bounded(path, MAX_MARKER_BYTES, CheckpointError, f"tracker file {path}")
+    return raw.decode("utf-8", "replace").strip()
 
 
 def latest_checkpoint(ckpt_dir: str | Path) -> Optional[Path]:
@@ -95,3 +107,29 @@ def write_tracker(ckpt_dir: str | Path, iteration: int) -> None:
 def iteration_of(checkpoint: Path) -> int:
     """The step count of a checkpoint folder named by `checkpoint_name`."""
     return int(checkpoint.name.split("_")[1])
+
+
+def step_of(folder: Path) -> Optional[int]:
+    """The step of a folder named like a checkpoint (`iter_NNNNNNN`), else None."""
+    return iteration_of(folder) if _NAME.fullmatch(folder.name) else None
+
+
+def tracked_step(ckpt_dir: Path) -> Optional[int]:
+    """The step the tracker of `ckpt_dir` names, or None when it names none (no tracker, or
+    one that does not hold an iteration)."""
+    try:
+        tracked = read_tracker(ckpt_dir)
+    except CheckpointError:
+        return None
+    return step_of(Path(tracked[1])) if tracked is not None else None
+
+
+def check_folder_step(folder: Path, recorded: object, field: str) -> None:
+    """Refuse a checkpoint folder `iter_N` whose common state records another step than N
+    (`recorded`, read from `field`): a folder renamed, copied over another or edited. Folders
+    not named like a checkpoint (an `init_from` folder, `release`) have no step to agree with."""
+    step = step_of(folder)
+    if step is not None and (type(recorded) is not int or recorded != step):
+        raise CheckpointError(f"{folder}: its common state says {field}={recorded!r:.40} but the "
+                              f"folder is step {step}; the checkpoint is corrupt (restore it, or "
+                              f"write the step of another checkpoint into {TRACKER})")

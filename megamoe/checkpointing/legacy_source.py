@@ -73,7 +73,6 @@ class LegacySource:
 
     format = "legacy"
     model_settings = None
-    side_files: list = []
     key_layout = "module"
 
     def __init__(self, directory: Path):

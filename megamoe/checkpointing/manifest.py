@@ -20,12 +20,14 @@ from typing import Optional
 import torch.distributed as dist
 
 from megamoe.atomic import atomic_write_text
+from megamoe.bounded import read_json
 from megamoe.errors import CheckpointError
 from megamoe.paths import inside
 
 MANIFEST_FILE = "megamoe_manifest.json"
 MANIFEST_FORMAT = "megamoe-checkpoint-manifest/1"
 CHUNK_BYTES = 4 << 20
+MAX_MANIFEST_BYTES = 64 << 20  # ~800,000 files: far beyond any checkpoint's count
 
 
 def file_crc32(path: str | os.PathLike) -> str:
@@ -67,23 +69,23 @@ def write_manifest(folder: str | os.PathLike, collective: bool = False) -> None:
 
 
 def has_manifest(folder: str | os.PathLike) -> bool:
-    return (Path(folder) / MANIFEST_FILE).is_file()
+    """Whether `folder` has a manifest (anything by that name: one that is not a regular file
+    is then refused by `verify_folder`, not taken for none)."""
+    return os.path.lexists(Path(folder) / MANIFEST_FILE)
 
 
 def read_manifest(folder: str | os.PathLike) -> dict[str, dict]:
-    """The manifest's files (name -> size, crc32); a malformed manifest raises ValueError."""
+    """The manifest's files (name -> size, crc32); a malformed manifest, or one larger than
+    MAX_MANIFEST_BYTES, raises CheckpointError."""
     path = Path(folder) / MANIFEST_FILE
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON ({err})") from None
+    data = read_json(path, MAX_MANIFEST_BYTES, CheckpointError)
     if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"{path} is not a {MANIFEST_FORMAT} manifest")
+        raise CheckpointError(f"{path} is not a {MANIFEST_FORMAT} manifest")
     files = data.get("files")
     if not isinstance(files, dict) or not all(
             isinstance(name, str) and isinstance(e, dict) and isinstance(e.get("size"), int)
             and isinstance(e.get("crc32"), str) for name, e in files.items()):
-        raise ValueError(f"{path} has a malformed file list")
+        raise CheckpointError(f"{path} has a malformed file list")
     return files
 
 
@@ -110,7 +112,7 @@ def verify_folder(folder: str | os.PathLike, collective: bool = False) -> Option
         raise FileNotFoundError(folder / MANIFEST_FILE)
     try:
         files = read_manifest(folder)
-    except (ValueError, OSError) as err:
+    except CheckpointError as err:
         return f"{err}"
     links = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_symlink())
     if links:

@@ -35,8 +35,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from megamoe.checkpointing.torch_files import (first_line, load_torch_bytes, load_torch_file,
-                                              refused)
+from megamoe.bounded import regular_file_size
+from megamoe.checkpointing.torch_files import (MAX_TORCH_FILE_BYTES, first_line,
+                                              load_torch_bytes, load_torch_file, refused)
 from megamoe.errors import CheckpointError, MegaMoEError
 from megamoe.paths import inside
 
@@ -47,6 +48,8 @@ COMMON_STATE_KEY = "common_state/shard_0_1"
 # BaseException, not an Exception.
 FAILURES = (Exception, CheckpointException)
 METADATA_FILE = ".metadata"
+# The tensors whose first axis is the padded vocabulary (and the optimizer's states of them).
+VOCAB_TENSORS = ("word_embeddings.weight", "output_layer.weight")
 # What torch's FileSystemWriter and Megatron's FileSystemWriterAsync pickle into `.metadata`.
 _DCP_TYPES = {
     "torch.distributed.checkpoint.metadata": {
@@ -85,7 +88,10 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
-    """The DCP `Metadata` pickled in the file `path`, through `MetadataUnpickler`."""
+    """The DCP `Metadata` pickled in the file `path`, through `MetadataUnpickler` (a device,
+    FIFO or folder in its place is refused before it is opened)."""
+    if os.path.lexists(path):  # a missing file is named below as an incomplete checkpoint
+        regular_file_size(path, MAX_TORCH_FILE_BYTES, CheckpointError, str(path))
     try:
         with open(path, "rb") as f:
             metadata = MetadataUnpickler(f, str(path)).load()
@@ -263,17 +269,20 @@ def _restricted_megatron_readers() -> Iterator[None]:
             module._get_filesystem_reader = original
 
 
-def load_dist_checkpoint(request: dict, directory: str | os.PathLike, **kwargs) -> Any:
+def load_dist_checkpoint(request: dict, directory: str | os.PathLike,
+                         vocab_size: Optional[int] = None, **kwargs) -> Any:
     """Megatron's `dist_checkpointing.load(request, directory, **kwargs)`, every pickle
     restricted. `.metadata` is read (restricted) first: DCP's loader swallows a failing
     `read_metadata` into an AssertionError. A refused type or corrupt file inside DCP's
-    collective wrappers comes out as the CheckpointError that caused it."""
+    collective wrappers comes out as the CheckpointError that caused it. `vocab_size`, the
+    run's real vocabulary (its tokenizer's), lets the vocabulary tensors differ from the
+    checkpoint's in their padding rows (`_check_global_shapes`)."""
     from megatron.core import dist_checkpointing
 
     from megamoe.megatron import compat
 
     _check_global_shapes(request, read_dcp_metadata(Path(directory) / METADATA_FILE),
-                         Path(directory))
+                         Path(directory), vocab_size)
     if compat.load_takes_common_strategy():
         kwargs["common_strategy"] = _safe_common_strategy()()
     else:  # megatron-core >= 0.19 reads the common state itself: check it through ours first
@@ -290,10 +299,22 @@ def load_dist_checkpoint(request: dict, directory: str | os.PathLike, **kwargs) 
         raise
 
 
-def _check_global_shapes(request: dict, metadata: Metadata, directory: Path) -> None:
+def _check_global_shapes(request: dict, metadata: Metadata, directory: Path,
+                         vocab_size: Optional[int] = None) -> None:
     """Every tensor the load asks for has the global shape the checkpoint saved (DCP itself
     reads the overlap of a larger request and leaves the rest as it was: a model with a larger
-    vocabulary would train on random embedding rows)."""
+    vocabulary would train on random embedding rows), but for the padding of the vocabulary.
+
+    Megatron-Core pads the vocabulary to a multiple of make_vocab_size_divisible_by x the
+    tensor-parallel size, so the embedding and output layer saved at another layout have
+    another number of padding rows beyond the real vocabulary. Given `vocab_size` (the run's
+    real vocabulary), such a tensor loads when both its saved and its requested rows cover
+    the real vocabulary: Megatron-Core marks these tensors `allow_shape_mismatch`, and the
+    optimizer's states of them keep the mark, so its torch_dist loader (strategies/torch.py)
+    zero-fills the requested tensor and reads the rows both have. The real rows (weights, Adam
+    moments, fp32 main weights) arrive bit-identical, saved padding rows the model lacks are
+    dropped, and padding rows the checkpoint lacks start at zero: zero weights (logit 0 in
+    the output layer) and zero moments, a fresh Adam state."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -302,13 +323,22 @@ def _check_global_shapes(request: dict, metadata: Metadata, directory: Path) -> 
         if not isinstance(tensor, ShardedTensor):
             continue
         size = getattr(saved.get(tensor.key), "size", None)
-        if size is not None and tuple(size) != tuple(tensor.global_shape):
+        if size is None or tuple(size) == tuple(tensor.global_shape):
+            continue
+        vocabulary = tensor.key.endswith(VOCAB_TENSORS)
+        if vocabulary and vocab_size is not None and tensor.allow_shape_mismatch and \
+                tuple(size[1:]) == tuple(tensor.global_shape[1:]) and \
+                min(size[0], tensor.global_shape[0]) >= vocab_size:
+            continue
+        hint = ""
+        if vocabulary and tuple(size[1:]) == tuple(tensor.global_shape[1:]):
             hint = (f" (a vocabulary of {size[0]}: train with the model's tokenizer, or with "
-                    f"data.vocab_size={size[0]} on the default corpus)" if tensor.key.endswith(
-                        ("word_embeddings.weight", "output_layer.weight")) else "")
-            raise CheckpointError(f"{directory} holds {tensor.key} of shape {tuple(size)}, this "
-                                  f"run's model {tuple(tensor.global_shape)}{hint}; make the "
-                                  "config's model sections match the checkpoint")
+                    f"data.vocab_size={size[0]} on the default corpus)" if vocab_size is None
+                    else f" ({size[0]} rows, fewer than the {vocab_size} tokens of this run's "
+                    "tokenizer: train it with the tokenizer it was trained with)")
+        raise CheckpointError(f"{directory} holds {tensor.key} of shape {tuple(size)}, this "
+                              f"run's model {tuple(tensor.global_shape)}{hint}; make the "
+                              "config's model sections match the checkpoint")
 
 
 def _megamoe_cause(err: BaseException):

@@ -49,8 +49,6 @@ class DenseSource(Protocol):
     model_settings: Optional[dict]
     """The megamoe training config's `model` section of this network, when the source tells
     all of it (Hugging Face models); None for Megatron checkpoints."""
-    side_files: list
-    """Files copied next to the output unchanged (a Hugging Face model's tokenizer)."""
 
     def layer(self, index: int) -> DenseLayer: ...
 

@@ -20,6 +20,7 @@ from typing import IO, Any, Optional
 import numpy as np
 import torch
 
+from megamoe.bounded import regular_file_size
 from megamoe.errors import CheckpointError
 
 _NUMPY_ARRAY_TYPES = ("numpy.ndarray", "numpy.dtype", "numpy.core.multiarray._reconstruct",
@@ -27,6 +28,7 @@ _NUMPY_ARRAY_TYPES = ("numpy.ndarray", "numpy.dtype", "numpy.core.multiarray._re
 _READ_ERRORS = (RuntimeError, ValueError, OSError, EOFError, zipfile.BadZipFile,
                 pickle.UnpicklingError, KeyError, IndexError, TypeError, AttributeError,
                 UnicodeDecodeError, OverflowError, MemoryError)
+MAX_TORCH_FILE_BYTES = 1 << 44  # 16 TiB: a size beyond any checkpoint file is damage
 
 
 def _resolve(name: str) -> Any:
@@ -90,8 +92,11 @@ def load_torch_file(path: str | os.PathLike, mmap: bool = False) -> Any:
     """`torch.load(path, weights_only=True)` allowing Megatron-LM's metadata types.
 
     mmap: map tensor storages from the file instead of reading them (they are paged in when
-    used), so opening a large file costs little memory.
+    used), so opening a large file costs little memory. A device, FIFO or folder in the file's
+    place is refused before it is opened.
     """
+    if os.path.lexists(path):  # a missing file: _safe_load says the checkpoint is incomplete
+        regular_file_size(path, MAX_TORCH_FILE_BYTES, CheckpointError, f"torch file {path}")
     return _safe_load(path, str(path), mmap=mmap)
 
 

@@ -113,7 +113,7 @@ class InstructionDataset(Dataset):
         for text, is_response in record.segments:
             if is_response and prompt_length is None:
                 prompt_length = len(ids)
-            piece = tokenizer.tokenize(text) + ([tokenizer.eos] if is_response else [])
+            piece = tokenizer.tokenize(text) + ([tokenizer.eod] if is_response else [])
             ids += piece
             trained += [is_response] * len(piece)
         if len(ids) > seq_length + 1:

@@ -33,9 +33,9 @@ def greedy_answers(forward: Forward, tokenizer, prompts: list[str], max_new_toke
         new_tokens = []
         for _ in range(min(max_new_tokens, max_length - length)):
             next_B = forward(tokens_BS, prompt_mask_BS)[:, -1].argmax(dim=-1)
-            next_B = torch.where(done_B, torch.full_like(next_B, tokenizer.eos), next_B)
+            next_B = torch.where(done_B, torch.full_like(next_B, tokenizer.eod), next_B)
             new_tokens.append(next_B)
-            done_B |= next_B == tokenizer.eos
+            done_B |= next_B == tokenizer.eod
             tokens_BS = torch.cat([tokens_BS, next_B[:, None]], dim=1)
             prompt_mask_BS = torch.cat([prompt_mask_BS, torch.zeros_like(done_B)[:, None]], dim=1)
             if done_B.all():
@@ -43,8 +43,8 @@ def greedy_answers(forward: Forward, tokenizer, prompts: list[str], max_new_toke
         generated_BT = torch.stack(new_tokens, dim=1) if new_tokens else tokens_BS[:, :0]
         for row, index in enumerate(indices):
             ids = generated_BT[row].tolist()
-            answers[index] = tokenizer.detokenize(ids[:ids.index(tokenizer.eos)]
-                                                  if tokenizer.eos in ids else ids)
+            answers[index] = tokenizer.detokenize(ids[:ids.index(tokenizer.eod)]
+                                                  if tokenizer.eod in ids else ids)
     return answers
 
 

@@ -23,7 +23,6 @@ from megamoe.checkpointing.dcp_writer import StreamingCheckpointWriter
 from megamoe.checkpointing.deepspeed_source import FC1, FC2, DeepSpeedSource
 from megamoe.checkpointing.layout import RELEASE, TRACKER
 from megamoe.checkpointing.manifest import write_manifest
-from megamoe.checkpointing.readers import open_checkpoint
 from megamoe.checkpointing.sharded_keys import KeyLayout, whole_tensor
 from megamoe.errors import ConfigError
 from megamoe.paths import refuse_overlap
@@ -62,13 +61,13 @@ def import_deepspeed(load, save, topk: int, activation: str = "gelu", overwrite:
     refuse_overlap(save, [load])
     if activation not in ACTIVATIONS:
         raise ConfigError(f"--activation {activation!r} is not one of {list(ACTIVATIONS)}")
-    source = open_checkpoint(load, "deepspeed")
+    gated = activation == "swiglu"
+    source = DeepSpeedSource(Path(load), glu=gated)
     if not 1 <= topk <= source.num_experts:
         raise ConfigError(f"--topk {topk} must be in 1..{source.num_experts} (the experts)")
-    gated = activation == "swiglu"
     all_moe = len(source.moe_layers) == source.num_layers
     layout = KeyLayout("stacked" if all_moe else "per_layer", source.num_layers)
-    with atomic_directory(save, overwrite=overwrite) as tmp:
+    with atomic_directory(save, overwrite=overwrite, owner="import_deepspeed_moe") as tmp:
         checkpoint_dir = tmp / RELEASE
         checkpoint_dir.mkdir()
         writer = StreamingCheckpointWriter(checkpoint_dir)

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 from megamoe.atomic import atomic_directory
 from megamoe.checkpointing.dcp_writer import StreamingCheckpointWriter
+from megamoe.checkpointing.hf_arch import megatron_lm_rotary_base
 from megamoe.checkpointing.hf_source import HFSource
 from megamoe.checkpointing.layout import RELEASE, TRACKER
 from megamoe.checkpointing.manifest import write_manifest
@@ -23,6 +24,7 @@ from megamoe.checkpointing.readers import open_checkpoint
 from megamoe.checkpointing.sharded_keys import KeyLayout, whole_tensor
 from megamoe.paths import refuse_overlap
 from megamoe.upcycle.convert import VERIFY_TOLERANCE
+from megamoe.upcycle.hf_files import carry_hf_files, hf_origin, tokenizer_line
 from megamoe.upcycle.hf_logits import require_within
 from megamoe.upcycle.moe_layer import dense_layer_items
 
@@ -35,7 +37,7 @@ def megatron_lm_args(source: HFSource) -> argparse.Namespace:
         num_attention_heads=a.num_attention_heads, num_query_groups=a.num_key_value_heads,
         group_query_attention=a.num_key_value_heads != a.num_attention_heads,
         kv_channels=a.head_dim, max_position_embeddings=a.max_position_embeddings,
-        position_embedding_type="rope", rotary_base=int(a.rope_theta), rotary_percent=1.0,
+        position_embedding_type="rope", rotary_base=megatron_lm_rotary_base(a.rope_theta), rotary_percent=1.0,
         use_rope_scaling=a.rope_scaling_factor is not None,
         rope_scaling_factor=a.rope_scaling_factor or 8.0, normalization="RMSNorm",
         norm_epsilon=a.rms_norm_eps, swiglu=True, add_bias_linear=False,
@@ -64,15 +66,19 @@ def megatron_lm_flags(args: argparse.Namespace) -> str:
 
 
 def convert_hf_dense(load, save, overwrite: bool = False, verify: bool = False,
-                     log: Callable[[str], None] = print) -> Optional[float]:
+                     log: Callable[[str], None] = print,
+                     owner: str = "upcycle_ckpt") -> Optional[float]:
     """Write the Hugging Face model at `load` as a dense Megatron-Core checkpoint at `save`
-    (Megatron-LM layout: tracker + `release/`); returns the verify figure when asked."""
+    (Megatron-LM layout: tracker + `release/`, marked as the tool `owner`'s); returns the
+    verify figure when asked."""
     load = Path(load)
     refuse_overlap(save, [load])
     source = open_checkpoint(load, "hf_safetensors")
+    origin = hf_origin(load, save, f"tools/{owner}.py", source.description, source.arch,
+                       {"tool": "megamoe.interop.hf_dense", "source": str(load.resolve())})
     layout = KeyLayout("stacked", source.num_layers)
     start = time.perf_counter()
-    with atomic_directory(save, overwrite=overwrite) as tmp:
+    with atomic_directory(save, overwrite=overwrite, owner=owner) as tmp:
         checkpoint_dir = tmp / RELEASE
         checkpoint_dir.mkdir()
         writer = StreamingCheckpointWriter(checkpoint_dir)
@@ -80,11 +86,13 @@ def convert_hf_dense(load, save, overwrite: bool = False, verify: bool = False,
             writer.write_part(*dense_layer_items(layout, index, source.layer(index)))
         writer.write_part([whole_tensor(key, t) for key, t in source.non_layer_tensors()])
         args = megatron_lm_args(source)
-        writer.finish({"checkpoint_version": 3.0, "iteration": 0, "args": args})
+        carried = carry_hf_files(origin, checkpoint_dir)
+        writer.finish({"checkpoint_version": 3.0, "iteration": 0, "args": args, **carried})
         write_manifest(checkpoint_dir)
         (tmp / TRACKER).write_text(RELEASE)
         log(f"converted {source.description} to a dense Megatron-Core checkpoint: "
             f"{writer.bytes_written / 2**20:.1f} MiB in {time.perf_counter() - start:.1f} s")
+        log(tokenizer_line(origin, "Megatron-LM's --tokenizer-model takes it"))
         log(f"train with Megatron-LM: {megatron_lm_flags(args)}")
         diff = _verify(source, checkpoint_dir, log) if verify else None
     return diff

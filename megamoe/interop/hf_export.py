@@ -5,7 +5,10 @@ Input: a torch_dist checkpoint written by megamoe (a training checkpoint, whose 
 holds the run's `config`, or tools/upcycle_ckpt.py's output from a Hugging Face model, whose
 common state holds `megamoe_model`). The architecture is taken from those `model`/`moe`
 sections; what the target architecture cannot express is refused in one line before anything
-is written (`check_expressible`). Tensors are read one layer at a time through DCP
+is written (`check_expressible`). config.json and generation_config.json are the source model's
+own, changed only where training changed them, when the checkpoint keeps them, else generated
+(megamoe.interop.hf_config); the tokenizer is the one the checkpoint records
+(megamoe.interop.export_tokenizer). Tensors are read one layer at a time through DCP
 (megamoe.checkpointing.dist_source, any key layout) and written into size-bounded safetensors
 shards (megamoe.checkpointing.safetensors_io), so memory holds one layer plus one shard.
 
@@ -31,7 +34,6 @@ Key mapping, layer l (`model.layers.{l}.`), Megatron -> Hugging Face (hub layout
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -39,21 +41,22 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from megamoe.atomic import atomic_directory
-from megamoe.checkpointing.hf_arch import HFArch
+from megamoe.checkpointing.hf_arch import HFArch, read_config_json
 from megamoe.checkpointing.hf_moe_arch import DEEPSEEK_GROUP_SCORE_TOPK
 from megamoe.checkpointing.hf_moe_source import MLA_NAMES
-from megamoe.checkpointing.hf_source import TOKENIZER_FILES, split_qkv
+from megamoe.checkpointing.hf_source import split_qkv
+from megamoe.checkpointing.layout import CONVERTED_MODEL_KEY
 from megamoe.checkpointing.safetensors_io import ShardedSafetensorsWriter
 from megamoe.config import moe_layer_pattern
 from megamoe.errors import CheckpointError, ConfigError
-from megamoe.paths import inside, refuse_overlap
-from megamoe.train.config import yarn_settings
+from megamoe.interop.export_tokenizer import recorded_tokenizer, token_ids
+from megamoe.interop.hf_config import ARCHITECTURES, exported_configs
+from megamoe.paths import refuse_overlap
+from megamoe.train.tokenizer import write_tokenizer_files
+from megamoe.upcycle.hf_files import kept_source
 from megamoe.upcycle.hf_logits import require_within
 
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
-ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
-TOKENIZER_DIR = "hf_tokenizer"
+ARCHS = tuple(ARCHITECTURES)
 EXPERTS = "mlp.experts.experts."
 VERIFY_TOLERANCE = 1e-4
 
@@ -68,7 +71,7 @@ class ExportResult:
 
 
 def _model_sections(common: dict, folder: Path) -> dict:
-    for key in ("config", "megamoe_model"):
+    for key in ("config", CONVERTED_MODEL_KEY):
         sections = common.get(key)
         if isinstance(sections, dict) and isinstance(sections.get("model"), dict) \
                 and isinstance(sections.get("moe"), dict):
@@ -174,67 +177,6 @@ def _check_softmax_family(arch: str, refuse: Callable[[str, str], None], config,
                "others never)", "use qwen3_moe exactly for models with model.qk_layernorm")
 
 
-def hf_config(arch: str, config, pattern: list[bool], vocab_size: int) -> dict:
-    """The config.json of the exported model."""
-    m, moe = config.model, config.moe_config()
-    head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
-    common = dict(
-        architectures=[ARCHITECTURES[arch]], model_type=arch, vocab_size=vocab_size,
-        hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_query_groups or m.num_attention_heads, head_dim=head_dim,
-        hidden_act="silu", max_position_embeddings=max(m.seq_length, 4096),
-        rms_norm_eps=m.norm_epsilon, rope_theta=float(m.rotary_base),
-        tie_word_embeddings=m.share_embeddings, num_experts_per_tok=moe.topk,
-        attention_dropout=0.0, use_cache=True, torch_dtype="float32")
-    if m.rope_scaling_factor is not None:
-        common["rope_scaling"] = {"rope_type": "llama3", "factor": m.rope_scaling_factor,
-                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                  "original_max_position_embeddings": 8192}
-    if arch == "deepseek_v3":
-        return {**common, **_deepseek_v3_config(config, pattern)}
-    if arch == "mixtral":
-        return {**common, "intermediate_size": moe.ffn_hidden_size,
-                "num_local_experts": moe.num_experts, "sliding_window": None,
-                "router_aux_loss_coef": 0.0}
-    qwen = {**common, "intermediate_size": m.ffn_hidden_size,
-            "moe_intermediate_size": moe.ffn_hidden_size, "num_experts": moe.num_experts,
-            "norm_topk_prob": not moe.pre_softmax, "decoder_sparse_step": 1,
-            "mlp_only_layers": [i for i, is_moe in enumerate(pattern) if not is_moe],
-            "use_sliding_window": False, "router_aux_loss_coef": 0.0}
-    if arch == "qwen2_moe":
-        return {**qwen, "shared_expert_intermediate_size": moe.shared_expert_ffn_size,
-                "qkv_bias": True}
-    return {**qwen, "attention_bias": m.add_qkv_bias}
-
-
-def _deepseek_v3_config(config, pattern: list[bool]) -> dict:
-    """DeepSeek-V3's own config.json fields (on top of the common ones)."""
-    m, moe = config.model, config.moe_config()
-    return dict(
-        num_key_value_heads=m.num_attention_heads, head_dim=m.qk_pos_emb_head_dim,
-        intermediate_size=m.ffn_hidden_size, moe_intermediate_size=moe.ffn_hidden_size,
-        n_routed_experts=moe.num_experts,
-        n_shared_experts=(moe.shared_expert_ffn_size or 0) // moe.ffn_hidden_size,
-        routed_scaling_factor=moe.topk_scaling_factor or 1.0, n_group=moe.num_groups or 1,
-        topk_group=moe.groups_per_token or 1, norm_topk_prob=True,
-        first_k_dense_replace=pattern.index(True), q_lora_rank=m.q_lora_rank,
-        kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_head_dim,
-        qk_rope_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim, rope_interleave=True,
-        attention_bias=False, num_nextn_predict_layers=0,
-        **_yarn_config(m))
-
-
-def _yarn_config(m) -> dict:
-    """DeepSeek's YaRN rope scaling, with the context it extends to (none without YaRN)."""
-    if not m.yarn:
-        return {}
-    yarn = yarn_settings(m.yarn)
-    context = int(yarn["factor"] * yarn["original_max_position_embeddings"])
-    return {"rope_scaling": {"type": "yarn", **yarn},
-            "max_position_embeddings": max(m.seq_length, context)}
-
-
 class _LayerMapper:
     """Hugging Face tensors of one Megatron layer (see the module docstring)."""
 
@@ -332,26 +274,6 @@ def _experts(mg: dict[str, torch.Tensor], index: int) -> list[tuple[torch.Tensor
             for e in range(count)]
 
 
-def _copy_tokenizer(tokenizer: Optional[Path], root: Path, out: Path) -> bool:
-    """Copy the Hugging Face tokenizer files of `tokenizer` (default: the upcycler's
-    `hf_tokenizer/` beside the checkpoint); False when there is none."""
-    source = tokenizer
-    if source is None:
-        for candidate in (root / TOKENIZER_DIR, root.parent / TOKENIZER_DIR):
-            if candidate.is_dir():
-                source = candidate
-                break
-    if source is None:
-        return False
-    if not source.is_dir():
-        raise ConfigError(f"--tokenizer {source} is not a directory of Hugging Face tokenizer "
-                          "files")
-    files = [inside(source, name) for name in TOKENIZER_FILES if (source / name).is_file()]
-    for path in files:
-        shutil.copyfile(path, out / path.name)
-    return bool(files)
-
-
 def export_hf(load, save, arch: Optional[str] = None, tokenizer=None, overwrite: bool = False,
               verify: bool = False, max_shard_bytes: int = 2 * 2**30,
               log: Callable[[str], None] = print) -> ExportResult:
@@ -365,19 +287,22 @@ def export_hf(load, save, arch: Optional[str] = None, tokenizer=None, overwrite:
 
     refuse_overlap(save, [load, tokenizer])
     folder = resolve_weights_dir(load)
-    sections = _model_sections(load_common_state(folder), folder)
+    common = load_common_state(folder)
+    sections = _model_sections(common, folder)
     config = config_from_dict(sections)
     pattern = moe_layer_pattern(config.model, config.model.first_k_dense)
-    arch = arch or default_arch(config)
+    kept = kept_source(folder)
+    arch = arch or _source_arch(kept) or default_arch(config)
     check_expressible(arch, config, pattern)
+    shipped, record = recorded_tokenizer(folder, common, Path(load), tokenizer)
     source = DistSource(folder, moe=True)
     if source.num_layers != config.model.num_layers:
         raise CheckpointError(f"{folder} has {source.num_layers} layers but its config says "
                               f"{config.model.num_layers}; the checkpoint is corrupt")
     mapper = _LayerMapper(arch, config)
-    with atomic_directory(save, overwrite=overwrite) as tmp:
+    with atomic_directory(save, overwrite=overwrite, owner="export_hf") as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
-        vocab_size = None
+        vocab_size = dtype = None
         for key, tensor in source.non_layer_tensors():
             name = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
                     "decoder.final_layernorm.weight": "model.norm.weight",
@@ -385,21 +310,37 @@ def export_hf(load, save, arch: Optional[str] = None, tokenizer=None, overwrite:
             if name is None:
                 continue
             if name == "model.embed_tokens.weight":
-                vocab_size = tensor.shape[0]
+                vocab_size, dtype = tensor.shape[0], str(tensor.dtype).removeprefix("torch.")
             if name != "lm_head.weight" or not config.model.share_embeddings:
                 writer.add(name, tensor)
         for index, is_moe in enumerate(pattern):
             writer.add_all(mapper.tensors(index, source.layer(index).tensors, is_moe))
         shards = writer.finish()
-        (tmp / "config.json").write_text(json.dumps(
-            hf_config(arch, config, pattern, vocab_size), indent=2) + "\n")
-        has_tokenizer = _copy_tokenizer(Path(tokenizer) if tokenizer else None,
-                                        Path(load), tmp)
         log(f"exported {folder} as {arch}: {len(shards)} shard(s), "
-            f"{writer.total_bytes / 2**20:.1f} MiB"
-            + ("" if has_tokenizer else " (no tokenizer found: pass --tokenizer DIR)"))
+            f"{writer.total_bytes / 2**20:.1f} MiB")
+        if shipped is None:
+            log(f"warning: {folder} records no tokenizer: the model is written without one "
+                "(pass --tokenizer DIR to add it)")
+        else:
+            names = write_tokenizer_files(shipped, tmp)
+            log(f"tokenizer: {shipped.describe()} ({', '.join(names)})")
+        configs = exported_configs(arch, config, pattern, vocab_size, dtype, kept,
+                                   token_ids(shipped, record))
+        (tmp / "config.json").write_text(json.dumps(configs.config, indent=2) + "\n")
+        if configs.generation is not None:
+            (tmp / "generation_config.json").write_bytes(configs.generation)
+        log(configs.describe())
         diff = _verify(tmp, folder, sections, log) if verify else None
     return ExportResult(Path(save), arch, shards, writer.total_bytes, diff)
+
+
+def _source_arch(kept: Optional[Path]) -> Optional[str]:
+    """The source model's architecture when the checkpoint keeps its config and it is one the
+    export writes (the default --arch)."""
+    if kept is None:
+        return None
+    kind = read_config_json(kept).get("model_type")
+    return kind if kind in ARCHS else None
 
 
 def _verify(out: Path, folder: Path, sections: dict, log: Callable[[str], None]) -> float:

@@ -3,13 +3,15 @@
 MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3; `megamoe.checkpointing.hf_moe_source`)
 become a torch_dist checkpoint in Megatron-LM's layout, as the upcycler writes one:
 `OUT/latest_checkpointed_iteration.txt` ("release"), `OUT/release/` (with megamoe's checksum
-manifest and the `model`/`moe` config sections in its common state under `megamoe_model`, which
-tools/export_hf.py reads), `OUT/train_config.yaml` (those sections, for
-`python -m megamoe.train --config OUT/train_config.yaml checkpoint.init_from=OUT`),
-`OUT/hf_tokenizer/` (the model's tokenizer files) and `OUT/import_metrics.jsonl` (seconds, bytes
-and MB/s per layer). Dense models (Llama, Mistral, Qwen2, Qwen3) take the dense conversion
-(`megamoe.interop.hf_dense`). Everything is written to a temporary directory renamed to OUT
-only when the conversion and `verify` succeeded; memory holds one layer and one expert.
+manifest, the `model`/`moe` config sections in its common state under `megamoe_model`, which
+tools/export_hf.py reads, the model's tokenizer in `release/tokenizer/` with its identity in the
+common state, and the source's config.json and generation_config.json in `release/hf_source/`:
+megamoe.upcycle.hf_files), `OUT/train_config.yaml` (those sections and the continued-pretraining
+settings, each with a comment, naming the tokenizer: megamoe.upcycle.train_recipe; train with
+`python -m megamoe.train --config OUT/train_config.yaml`) and `OUT/import_metrics.jsonl`
+(seconds, bytes and MB/s per layer). Dense models (Llama, Mistral, Qwen2, Qwen3) take the dense
+conversion (`megamoe.interop.hf_dense`). Everything is written to a temporary directory renamed
+to OUT only when the conversion and `verify` succeeded; memory holds one layer and one expert.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from megamoe.checkpointing.layout import RELEASE
 from megamoe.paths import refuse_overlap
 from megamoe.upcycle.convert import (TRAIN_CONFIG_FILE, VERIFY_TOLERANCE, finish_release,
                                      part_metric)
+from megamoe.upcycle.hf_files import hf_origin, tokenizer_line
 from megamoe.upcycle.hf_logits import require_within
 
 METRICS_FILE = "import_metrics.jsonl"
@@ -43,11 +46,16 @@ def import_hf(load, save, overwrite: bool = False, verify: bool = False, drop_mt
     if read_config_json(load).get("model_type") in DENSE_TYPES:
         from megamoe.interop.hf_dense import convert_hf_dense
 
-        return convert_hf_dense(load, save, overwrite=overwrite, verify=verify, log=log)
+        return convert_hf_dense(load, save, overwrite=overwrite, verify=verify, log=log,
+                                owner="import_hf")
     source = HFMoESource(load, drop_mtp=drop_mtp)
     sections = source.model.train_sections()
+    record = {"tool": "megamoe.interop.hf_import", "source": str(load.resolve()),
+              "model_type": source.arch.model_type, "dropped_mtp_layers": source.dropped_mtp}
+    origin = hf_origin(load, save, "tools/import_hf.py", source.description, source.arch,
+                       record, {"moe": source.moe.balancing_notes(source.arch.model_type)})
     start = time.perf_counter()
-    with atomic_directory(save, overwrite=overwrite) as tmp:
+    with atomic_directory(save, overwrite=overwrite, owner="import_hf") as tmp:
         log(f"importing {source.description}: {source.layout.kind} keys")
         if source.dropped_mtp:
             log(f"dropping {source.dropped_mtp} multi-token-prediction layer(s) (--drop-mtp)")
@@ -55,15 +63,13 @@ def import_hf(load, save, overwrite: bool = False, verify: bool = False, drop_mt
         checkpoint_dir.mkdir()
         writer = StreamingCheckpointWriter(checkpoint_dir)
         metrics = _write_layers(source, writer, progress)
-        record = {"tool": "megamoe.interop.hf_import", "source": str(load.resolve()),
-                  "model_type": source.arch.model_type,
-                  "dropped_mtp_layers": source.dropped_mtp}
         finish_release(tmp, writer, {"checkpoint_version": 3.0, "iteration": 0,
-                                     "hf_import": record}, sections, source.side_files)
+                                     "hf_import": record}, sections, origin)
         (tmp / METRICS_FILE).write_text("".join(json.dumps(m) + "\n" for m in metrics))
         seconds = time.perf_counter() - start
-        log(f"wrote {writer.bytes_written / 2**20:.1f} MiB in {seconds:.1f} s; train with: "
-            f"python -m megamoe.train --config {save}/{TRAIN_CONFIG_FILE} "
+        log(f"wrote {writer.bytes_written / 2**20:.1f} MiB in {seconds:.1f} s")
+        log(tokenizer_line(origin))
+        log(f"train with: python -m megamoe.train --config {save}/{TRAIN_CONFIG_FILE} "
             f"checkpoint.init_from={save}")
         diff = _verify(load, checkpoint_dir, sections, log) if verify else None
     return diff

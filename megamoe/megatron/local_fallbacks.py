@@ -4,13 +4,14 @@ Megatron-Core falls back to plain torch modules (torch norms, torch's Adam, reco
 fp8) when apex and Transformer Engine are missing, and a few of those fallbacks break. Each
 override below repairs one of them and does nothing when the library it stands in for is
 installed; none depends on the device, so `enable_local_fallbacks()` applies them on GPUs as on
-the CPU (`megamoe.megatron.runtime.setup_megatron` calls it). The overrides that stand in for
+the CPU (`megamoe.megatron.runtime.setup_megatron` calls it; the specs apply
+the layers' own, `LAYER_FALLBACKS`, when they are built). The overrides that stand in for
 CUDA itself are `megamoe.megatron.cpu`'s. Checked against megatron-core 0.16.1 and 0.19.2.
 """
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from typing import Callable, Iterable
 
 from megamoe.megatron import compat
 
@@ -201,11 +202,18 @@ _FALLBACKS: dict[str, Callable[[], None]] = {
 }
 
 
-def enable_local_fallbacks() -> list[str]:
-    """Apply the fallback repairs to the imported megatron-core (each at most once); return the
-    names applied so far."""
-    for name, apply in _FALLBACKS.items():
+LAYER_FALLBACKS = ("mla_transformer_engine_flag", "mla_query_projection",
+                   "sequence_parallel_norm", "checkpoint_without_output")
+"""The repairs that the layers of megamoe's specs need when they are built and run (the others
+concern Megatron's own router and the optimizer): `megamoe.megatron.specs` applies them itself,
+so Megatron-LM's `pretrain_gpt.py --spec megamoe.megatron.specs ...` needs no call."""
+
+
+def enable_local_fallbacks(names: Iterable[str] = tuple(_FALLBACKS)) -> list[str]:
+    """Apply the fallback repairs `names` (default: all) to the imported megatron-core, each at
+    most once; return the names applied so far."""
+    for name in names:
         if name not in _APPLIED:
-            apply()
+            _FALLBACKS[name]()
             _APPLIED.append(name)
     return list(_APPLIED)

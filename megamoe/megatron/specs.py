@@ -47,6 +47,7 @@ from megatron.core.utils import get_pg_rank
 from megamoe.config import moe_layer_pattern
 from megamoe.errors import ConfigError
 from megamoe.megatron.latent_attention import with_latent_attention
+from megamoe.megatron.local_fallbacks import LAYER_FALLBACKS, enable_local_fallbacks
 from megamoe.megatron.moe_module import MegatronMoELayer
 from megamoe.megatron.tracker import report_load_metrics
 
@@ -83,6 +84,7 @@ def _base_layer_spec(config: Any, moe: bool, use_te: bool) -> ModuleSpec:
 @functools.lru_cache(maxsize=None)
 def _megatron_layer_spec(moe: bool, use_te: bool, qk_layernorm: bool, mla: bool,
                          normalization: Optional[str], query_latent: bool) -> ModuleSpec:
+    enable_local_fallbacks(LAYER_FALLBACKS)  # what these layers need without TE or apex
     kwargs = dict(qk_layernorm=qk_layernorm, multi_latent_attention=mla)
     if moe:
         kwargs.update(num_experts=2, moe_grouped_gemm=False)

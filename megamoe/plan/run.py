@@ -10,6 +10,7 @@ from typing import Optional
 
 from megamoe.errors import ConfigError
 from megamoe.plan.layouts import config_layout, layouts_of_world
+from megamoe.plan.limits import check_countable
 from megamoe.plan.plan import LayoutPlan, plan_layout
 from megamoe.plan.report import layout_table, ranking_table, to_json, write_json, write_png
 from megamoe.plan.shards import model_vocab_size, parameter_counts
@@ -87,6 +88,7 @@ def main(config: TrainConfig, world: Optional[int], ranks: Optional[int],
     check_maxvio(maxvio)
     if measure and world is not None:
         raise ConfigError("--measure runs the config's own layout; drop --world (or --measure)")
+    check_countable(config)
     vocab = model_vocab_size(config)
     total, active = parameter_counts(config, vocab[0])
     print(f"parameters: {total:,} total, {active:,} active per token "

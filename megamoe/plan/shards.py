@@ -64,14 +64,15 @@ class StageShard:
 
 def model_vocab_size(config: TrainConfig) -> tuple[int, str]:
     """The vocabulary the trainer builds the model with, and where it came from: the
-    tokenizer of `data.tokenizer_model` when that file exists, else `data.vocab_size`."""
+    tokenizer of `data.tokenizer` when that file or folder exists, else
+    `data.vocab_size`."""
     data = config.data
-    if data.prefixes and data.tokenizer_model:
-        path = Path(data.tokenizer_model).expanduser()
-        if path.is_file():
-            from megamoe.train.tokenizer import SentencePieceTokenizer
+    if data.tokenizer:
+        path = Path(data.tokenizer).expanduser()
+        if path.exists():
+            from megamoe.train.tokenizer import load_tokenizer
 
-            return SentencePieceTokenizer(str(path)).vocab_size, str(path)
+            return load_tokenizer(path).vocab_size, str(path)
     return data.vocab_size, "data.vocab_size"
 
 
@@ -202,7 +203,8 @@ def build_stage(config: TrainConfig, layout: Layout, stage: int, bf16: bool,
             chunks = build_chunks(config, tc, vocab_size)
         state = {}
         if with_state:
-            engine = Engine(chunks, tc, config, on_cuda=False, device_context=cuda_as_meta)
+            with torch.device("meta"):  # the CPU's causal mask (seq_length^2) too
+                engine = Engine(chunks, tc, config, on_cuda=False, device_context=cuda_as_meta)
             with cuda_as_meta():
                 initialise_optimizer_state(engine.optimizer)
             state = model_state_bytes(chunks, engine.optimizer)

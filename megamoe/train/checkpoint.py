@@ -21,17 +21,23 @@ since Megatron-LM's layout differs).
 
 Every rank writes into `.iter_N.tmp`; when all have finished, the files are checksummed into the
 manifest, the folder renamed to `iter_N` and the tracker rewritten (atomically), so a crash or a
-full disk during a save leaves the previous checkpoint and the tracker intact. Loading verifies
+full disk during a save leaves the previous checkpoint and the tracker intact. An `iter_N` already
+there is left from an abandoned trajectory (the tracker was set back to rewind the run, as with
+Megatron-LM): the run resumes from the tracker's step and replaces that folder when it saves
+step N again, saying so. A checkpoint's recorded step must be its folder's. Loading verifies
 every file against the manifest before any tensor is used (a checkpoint without one, from
 Megatron-LM or an older megamoe, loads with a warning), and every pickle is restricted to an
 allow-list (megamoe.checkpointing). Resuming never moves to another checkpoint on its own;
 `checkpoint.resume_from_verified=true` resumes from the newest one that verifies. `keep_last`
 pruning keeps the newest verified checkpoint from before the run started. RNG states are
 restored only at the parallel layout they were saved with (at another layout each rank keeps its
-seeded state).
+seeded state). A tensor-parallel size that pads the vocabulary to another row count loads the
+embedding and output layer, and their optimizer states, with the real rows bit for bit, padding
+rows added (zeros) or dropped (megamoe.checkpointing.safe_dcp `_check_global_shapes`).
 
 `init_from` loads only model weights, e.g. from tools/upcycle_ckpt.py (a Megatron-LM style root
-with `latest_checkpointed_iteration.txt`) or a torch_dist folder.
+with `latest_checkpointed_iteration.txt`) or a torch_dist folder, into a model of the shapes the
+checkpoint records (checkpoint_shapes names a setting that differs).
 """
 from __future__ import annotations
 
@@ -50,19 +56,23 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-from megamoe.checkpointing.layout import (RELEASE, TRACKER, TrainState, checkpoint_name,
-                                          latest_checkpoint, read_tracker,
-                                          saved_checkpoints, write_tracker)
+from megamoe.checkpointing.layout import (RELEASE, TRACKER, TrainState, check_folder_step,
+                                          checkpoint_name, iteration_of, latest_checkpoint,
+                                          read_tracker, saved_checkpoints, step_of,
+                                          tracked_step, write_tracker)
 from megamoe.checkpointing.manifest import has_manifest, verify_folder, write_manifest
 from megamoe.checkpointing.no_orphans import own_write_results_queue
 from megamoe.checkpointing.safe_dcp import (FAILURES, METADATA_FILE, common_state_problem,
                                             find_exception, load_common_state,
-                                            load_dist_checkpoint)
+                                            load_dist_checkpoint, read_dcp_metadata)
 from megamoe.checkpointing.torch_files import first_line
 from megamoe.errors import CheckpointError, MegaMoEError
 from megamoe.megatron import compat
-from megamoe.train.checkpoint_schema import (FORMAT_VERSION, check_compatible,
-                                             is_megamoe_state, upgraded)
+from megamoe.train.checkpoint_schema import (FORMAT_VERSION, TOKENIZER_KEY, check_compatible,
+                                             is_megamoe_state, saved_position, upgraded)
+from megamoe.train.checkpoint_shapes import check_weights_fit
+from megamoe.train.checkpoint_tokenizer import (check_checkpoint_tokenizer, tokenizer_record,
+                                                write_checkpoint_files)
 from megamoe.train.config import TrainConfig
 from megamoe.train.guards import DivergenceError, describe_module, first_nonfinite_parameter
 from megamoe.train.megatron_lm_state import (check_megatron_lm_args, is_megatron_lm_checkpoint,
@@ -169,10 +179,14 @@ def checkpoint_problem(folder: Path) -> Optional[str]:
     return common_state_problem(folder)
 
 
-def newest_verified(ckpt_dir: Path, skip: Optional[Path] = None) -> Optional[Path]:
-    """The newest checkpoint in `ckpt_dir` with a manifest that verifies (other than `skip`)."""
+def newest_verified(ckpt_dir: Path, skip: Optional[Path] = None,
+                    at_most: Optional[int] = None) -> Optional[Path]:
+    """The newest checkpoint in `ckpt_dir` with a manifest that verifies (other than `skip`),
+    of step `at_most` or earlier when given (the tracker's: newer folders are left from an
+    abandoned trajectory)."""
     for folder in reversed(saved_checkpoints(ckpt_dir)):
-        if folder != skip and has_manifest(folder) and checkpoint_problem(folder) is None:
+        if folder != skip and (at_most is None or iteration_of(folder) <= at_most) and \
+                has_manifest(folder) and checkpoint_problem(folder) is None:
             return folder
     return None
 
@@ -184,7 +198,8 @@ def require_verified(folder: Path, ckpt_dir: Optional[Path] = None) -> None:
         return
     problem = checkpoint_problem(folder)
     if problem is not None:
-        fallback = newest_verified(ckpt_dir, skip=folder) if ckpt_dir is not None else None
+        fallback = (newest_verified(ckpt_dir, skip=folder, at_most=step_of(folder))
+                    if ckpt_dir is not None else None)
         hint = (f"the newest checkpoint that verifies is {fallback} (set "
                 "checkpoint.resume_from_verified=true to resume from it)" if fallback else
                 "no other checkpoint there verifies" if ckpt_dir is not None else
@@ -200,36 +215,63 @@ def resume_checkpoint(config: TrainConfig) -> Optional[Path]:
     """The verified checkpoint this run resumes from (the tracker's), or None for a new run.
 
     A tracker naming nothing, or a checkpoint that does not verify, is an error naming the
-    newest checkpoint that does; with `checkpoint.resume_from_verified` that one is used.
+    newest checkpoint that does (no newer than the tracker's step); with
+    `checkpoint.resume_from_verified` that one is used. Folders newer than the checkpoint
+    resumed from (a tracker set back to rewind the run) are named in a warning: `save_checkpoint`
+    replaces each when the run reaches its step.
     """
     ckpt_dir = config.checkpoint_dir
+    tracked = tracked_step(ckpt_dir)
     try:
         latest = latest_checkpoint(ckpt_dir)
         if latest is not None:
             require_verified(latest, ckpt_dir)
     except CheckpointError as err:
-        fallback = newest_verified(ckpt_dir) if config.checkpoint.resume_from_verified else None
+        fallback = (newest_verified(ckpt_dir, at_most=tracked)
+                    if config.checkpoint.resume_from_verified else None)
         if fallback is None:
             raise
         _warn(f"{err}; resuming from {fallback} (checkpoint.resume_from_verified=true)")
         latest = fallback
     if ckpt_dir not in _PRE_RUN_VERIFIED:
         _PRE_RUN_VERIFIED[ckpt_dir] = (latest if latest is not None and has_manifest(latest)
-                                       else newest_verified(ckpt_dir))
+                                       else newest_verified(ckpt_dir, at_most=tracked))
+    _warn_abandoned(ckpt_dir, latest)
     return latest
+
+
+def _warn_abandoned(ckpt_dir: Path, resumed: Optional[Path]) -> None:
+    """Name the checkpoint folders newer than the one resumed from (all of them for a fresh
+    start): they are left from an abandoned trajectory and will be replaced."""
+    start = iteration_of(resumed) if resumed is not None else 0
+    newer = [folder.name for folder in saved_checkpoints(ckpt_dir)
+             if iteration_of(folder) > start]
+    if newer:
+        since = f"the resumed {resumed.name}" if resumed is not None else "a fresh start"
+        _warn(f"{ckpt_dir} holds {len(newer)} checkpoint(s) newer than {since} ({newer[0]}"
+              f"{' ... ' + newer[-1] if len(newer) > 1 else ''}), left from an abandoned "
+              "trajectory (or an interrupted save); each is replaced when this run reaches its "
+              "step")
 
 
 # ---- saving ---------------------------------------------------------------------------------
 
 def save_checkpoint(ckpt_dir: str | Path, state: TrainState, model: torch.nn.Module, engine,
-                    config: TrainConfig) -> Path:
-    """Save the run at `state` (on every rank); returns the checkpoint folder.
+                    config: TrainConfig, tokenizer=None, origin: Optional[Path] = None) -> str:
+    """Save the run at `state` (on every rank); returns the line reporting it, `saved
+    checkpoint DIR` or, when a folder of that step was already there, `replaced checkpoint DIR
+    ...`. The checkpoint records `tokenizer` (the run's megamoe.train.tokenizer.Tokenizer) and
+    holds its files, and the `hf_source/` of `origin` (the checkpoint the run started from) or
+    of the newest earlier checkpoint (megamoe.train.checkpoint_tokenizer).
 
-    Saving a step that already has a checkpoint that verifies does nothing; one that does not
-    verify (a run resumed past a corrupt checkpoint with `resume_from_verified`) is replaced.
-    Parameters that are not finite are never saved: a DivergenceError names the first one. A
-    failed write (e.g. a full disk) removes the partial folder and raises a one-line
-    CheckpointError; the previous checkpoint and the tracker stay as they were.
+    Such a folder is newer than the checkpoint the run resumed from: it is left from an
+    abandoned trajectory (a run rewound by pointing the tracker at an earlier step, as with
+    Megatron-LM, or resumed past a corrupt checkpoint with `resume_from_verified`). It is
+    replaced only once the new checkpoint is complete, and the tracker rewritten only once the
+    new folder is in place, so a crash at any point leaves the run resumable. Parameters that
+    are not finite are never saved: a DivergenceError names the first one. A failed write (e.g.
+    a full disk) removes the partial folder and raises a one-line CheckpointError; the previous
+    checkpoint and the tracker stay as they were.
     """
     ckpt_dir = Path(ckpt_dir)
     if ckpt_dir not in _PRE_RUN_VERIFIED:
@@ -237,14 +279,7 @@ def save_checkpoint(ckpt_dir: str | Path, state: TrainState, model: torch.nn.Mod
     name = checkpoint_name(state.iteration)
     final, tmp = ckpt_dir / name, ckpt_dir / f".{name}.tmp"
     _refuse_nonfinite(model, state.iteration)
-    if final.is_dir():
-        problem = checkpoint_problem(final)
-        if problem is None:
-            return final
-        _warn(f"replacing the unusable checkpoint {final} ({problem})")
-        if _rank0():
-            shutil.rmtree(final)
-        dist.barrier()
+    replacing = final.is_symlink() or final.exists()
     own_write_results_queue()
     if _rank0():
         shutil.rmtree(tmp, ignore_errors=True)
@@ -263,11 +298,14 @@ def save_checkpoint(ckpt_dir: str | Path, state: TrainState, model: torch.nn.Mod
         "config": config.to_dict(),
         "layout": layout,
         "format_version": FORMAT_VERSION,
+        **({TOKENIZER_KEY: tokenizer_record(tokenizer)} if tokenizer is not None else {}),
     }
     logged: list[str] = []
     try:
         with compat.checkpoint_writer_errors() as logged:
             dist_checkpointing.save(sharded, str(tmp))
+        if _rank0():
+            write_checkpoint_files(tmp, tokenizer, [origin, *saved_checkpoints(ckpt_dir)[::-1]])
         dist.barrier()
         write_manifest(tmp, collective=_distributed())
     except FAILURES as err:
@@ -276,11 +314,31 @@ def save_checkpoint(ckpt_dir: str | Path, state: TrainState, model: torch.nn.Mod
         raise _save_error(err, tmp, ckpt_dir, logged) from None
     dist.barrier()
     if _rank0():
+        # a folder being replaced goes aside (where the next run's lock removes it should this
+        # process die here) and is deleted once the tracker names the new one
+        aside = ckpt_dir / f".{name}.replaced.tmp"
+        if replacing:
+            _remove(aside)
+            final.rename(aside)
         tmp.rename(final)
         write_tracker(ckpt_dir, state.iteration)
-        _prune(ckpt_dir, config.checkpoint.keep_last, _PRE_RUN_VERIFIED.get(ckpt_dir))
+        _remove(aside)
+        _prune(ckpt_dir, config.checkpoint.keep_last, _PRE_RUN_VERIFIED.get(ckpt_dir),
+               state.iteration)
     dist.barrier()
-    return final
+    if replacing:
+        return (f"replaced checkpoint {final}: the folder of step {state.iteration} there was "
+                "newer than the checkpoint this run resumed from (left from an abandoned "
+                "trajectory or an interrupted save)")
+    return f"saved checkpoint {final}"
+
+
+def _remove(path: Path) -> None:
+    """Delete `path` whatever it is (a folder, a file or a link, which is not followed)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def _refuse_nonfinite(model: torch.nn.Module, step: int) -> None:
@@ -318,51 +376,55 @@ def _save_error(err: BaseException, tmp: Path, ckpt_dir: Path,
                            f"{kept}; run again to resume from it")
 
 
-def _prune(ckpt_dir: Path, keep_last: int, protected: Optional[Path]) -> None:
-    """Delete all but the newest `keep_last` checkpoints (0 keeps all) and `protected`."""
+def _prune(ckpt_dir: Path, keep_last: int, protected: Optional[Path], step: int) -> None:
+    """Delete all but the newest `keep_last` checkpoints up to `step`, the one just saved (0
+    keeps all), and `protected`. Newer folders, left from an abandoned trajectory, are neither
+    counted nor deleted here: each is replaced when the run reaches its step."""
     if keep_last <= 0:
         return
-    for old in saved_checkpoints(ckpt_dir)[:-keep_last]:
+    reached = [folder for folder in saved_checkpoints(ckpt_dir) if iteration_of(folder) <= step]
+    for old in reached[:-keep_last]:
         if old != protected:
             shutil.rmtree(old, ignore_errors=True)
 
 
 # ---- loading --------------------------------------------------------------------------------
 
-def _megamoe_state(common: dict, path: Path) -> tuple[TrainState, dict]:
-    try:
-        state, layout = TrainState(**common["train_state"]), dict(common["layout"])
-        if not all(isinstance(v, int) and v >= 0 for v in dataclasses.astuple(state)):
-            raise ValueError(state)
-        return state, layout
-    except (KeyError, TypeError, ValueError):
-        raise CheckpointError(f"{path}: its common state lacks a valid train_state/layout; the "
-                              "checkpoint is corrupt") from None
-
-
 def interpret_common_state(common: dict, config: TrainConfig, path: Path
                            ) -> tuple[TrainState, Optional[dict]]:
-    """(position, saved layout) from a checkpoint's common state after checking it fits the
-    config; the layout is None for a Megatron-LM checkpoint (weights and position only)."""
+    """(position, saved layout) from a checkpoint's common state after checking it is
+    well-formed, records the step its folder is named after, and fits the config; the layout is
+    None for a Megatron-LM checkpoint (weights and position only). A common state with megamoe's
+    keys is megamoe's (or corrupt); Megatron-LM's is recognised by its own keys."""
     if is_megamoe_state(common):
         common = upgraded(common, path)
+        state, layout = saved_position(common, path)
+        check_folder_step(path, state.iteration, "train_state.iteration")
+        if "iteration" in common:  # Megatron-LM's copy of the position, which its loader reads
+            check_folder_step(path, common["iteration"], "iteration")
         check_compatible(common.get("config"), config, path)
-        return _megamoe_state(common, path)
+        return state, layout
     if not is_megatron_lm_checkpoint(common):
         raise CheckpointError(f"{path} is neither a megamoe nor a Megatron-LM training "
-                              f"checkpoint (format {common.get('format_version')!r:.40}); use "
+                              "checkpoint (its common state has neither megamoe's train_state "
+                              "nor Megatron-LM's args, checkpoint_version and iteration); use "
                               "checkpoint.init_from for model weights from elsewhere")
     check_megatron_lm_args(common, config, path)
-    return train_state_of(common), None
+    state = train_state_of(common)
+    check_folder_step(path, state.iteration, "iteration")
+    return state, None
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, engine, config: TrainConfig) -> TrainState:
+def load_checkpoint(path: Path, model: torch.nn.Module, engine, config: TrainConfig,
+                    tokenizer=None) -> TrainState:
     """Restore model, optimizer, RNG states (same layout only) and the run's position from a
-    megamoe checkpoint, or weights and position from a Megatron-LM checkpoint of this model."""
+    megamoe checkpoint, or weights and position from a Megatron-LM checkpoint of this model.
+    `tokenizer` (the run's) says which vocabulary rows are real (`_load`); whether the
+    checkpoint records it is checked before the model is built (`check_start`)."""
     require_verified(path)
     state, saved_layout = interpret_common_state(load_common_state(path), config, path)
     if saved_layout is None:
-        _load_weights(path, model, config)
+        _load_weights(path, model, config, tokenizer=tokenizer)
         engine.model_weights_changed()
         _warn(f"{path} is a Megatron-LM checkpoint: resuming its weights and position, with a "
               "fresh optimizer and RNG state")
@@ -373,7 +435,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, engine, config: TrainCon
                "optimizer": engine.optimizer_sharded_state_dict(model_sharded, is_loading=True)}
     if same_layout:
         request["rng_state"] = _rng_object(None)
-    loaded = _load(request, path)
+    loaded = _load(request, path, tokenizer=tokenizer)
     _load_model_entries(model, loaded)
     engine.load_optimizer_state_dict(loaded["optimizer"])
     if same_layout:
@@ -381,9 +443,13 @@ def load_checkpoint(path: Path, model: torch.nn.Module, engine, config: TrainCon
     return state
 
 
-def _load(request: dict, path: Path, strict: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED):
+def _load(request: dict, path: Path, strict: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
+          tokenizer=None):
+    """Load `request` from `path`; the vocabulary tensors may differ from the checkpoint's in
+    their padding rows when the run's `tokenizer` says which rows are real (`safe_dcp`)."""
+    vocab_size = tokenizer.vocab_size if tokenizer is not None else None
     try:
-        return load_dist_checkpoint(request, path, strict=strict)
+        return load_dist_checkpoint(request, path, vocab_size, strict=strict)
     except MegaMoEError:
         raise
     except FAILURES as err:  # a checkpoint is user input: any failure to read it is one line
@@ -407,13 +473,36 @@ def resolve_weights_dir(path: str | Path) -> Path:
     return path
 
 
+def check_start(folder: Path, tokenizer, config: TrainConfig,
+                init_from: bool = False) -> Optional[int]:
+    """Before a run builds anything from the checkpoint `folder` (resumed or, with `init_from`,
+    its weights taken): verify it, refuse it in one line when it records another tokenizer than
+    the run's `tokenizer` (`check_checkpoint_tokenizer`) or, for `init_from`, a model of other
+    shapes (`check_weights_fit`), and return the rows of its word embedding
+    (`embedding_rows`)."""
+    require_verified(folder)
+    common = load_common_state(folder)
+    if init_from:
+        check_weights_fit(common, config, folder)
+    check_checkpoint_tokenizer(common, folder, tokenizer, config, _rank0())
+    return embedding_rows(folder)
+
+
+def embedding_rows(folder: Path) -> Optional[int]:
+    """Rows of the word embedding saved in the torch_dist checkpoint `folder` (None if it has
+    none, e.g. a pipeline stage's own folder), from its DCP metadata."""
+    saved = read_dcp_metadata(folder / METADATA_FILE).state_dict_metadata
+    size = getattr(saved.get("embedding.word_embeddings.weight"), "size", None)
+    return int(size[0]) if size else None
+
+
 def _load_weights(folder: Path, model: torch.nn.Module, config: TrainConfig,
-                  new_key: Callable[[str], bool] = lambda key: False) -> None:
+                  new_key: Callable[[str], bool] = lambda key: False, tokenizer=None) -> None:
     def optional(key: str) -> bool:
         return key.endswith(_OPTIONAL_KEY_ENDINGS) or new_key(key)
 
     loaded, _, absent = _load(_model_entries(model, config), folder,
-                              strict=StrictHandling.RETURN_ALL)
+                              strict=StrictHandling.RETURN_ALL, tokenizer=tokenizer)
     required = sorted(k for k in absent if not optional(k))
     if required:
         raise CheckpointError(
@@ -428,12 +517,19 @@ def _load_weights(folder: Path, model: torch.nn.Module, config: TrainConfig,
 
 
 def load_model_weights(path: str | Path, model: torch.nn.Module, config: TrainConfig,
-                       new_key: Optional[Callable[[str], bool]] = None) -> Path:
+                       new_key: Optional[Callable[[str], bool]] = None,
+                       tokenizer=None) -> Path:
     """Initialise `model` from the model weights of the checkpoint at `path` (see
     `resolve_weights_dir`), verified first; keys it lacks may only be extra state, expert
-    biases and those `new_key` names (a fine-tuning method's own, left as initialised)."""
+    biases and those `new_key` names (a fine-tuning method's own, left as initialised). A
+    checkpoint recording a model of other shapes is refused (`check_weights_fit`, naming the
+    setting); whether it records the run's tokenizer is checked before the model is built
+    (`check_start`). With `tokenizer` the vocabulary may be padded
+    differently (another tensor-parallel size): the real rows load, padding rows are added or
+    dropped."""
     folder = resolve_weights_dir(path)
     require_verified(folder)
-    load_common_state(folder)
-    _load_weights(folder, model, config, new_key or (lambda key: False))
+    common = load_common_state(folder)
+    check_weights_fit(common, config, folder)
+    _load_weights(folder, model, config, new_key or (lambda key: False), tokenizer)
     return folder

@@ -12,10 +12,10 @@ building the MoEConfig.
     model:      {num_layers, hidden_size, num_attention_heads, ffn_hidden_size, seq_length, ...}
     moe:        {num_experts, ffn_hidden_size, topk, balancing, ..., layer_overrides}
     parallel:   {tensor, pipeline, virtual_stages, expert, first/last_stage_layers}
-    data:       {prefixes, weights, tokenizer_model, cache_dir, split, ...}
+    data:       {prefixes, weights, tokenizer, cache_dir, split, ...}
     training:   {train_steps, micro_batch_size, global_batch_size, seed, precision, ...}
     optimizer:  {lr, min_lr, warmup_steps, decay_style, weight_decay, ...}
-    checkpoint: {interval, dir, init_from, keep_last, resume_from_verified}
+    checkpoint: {interval, dir, init_from, keep_last, resume_from_verified, ...}
     logging:    {interval, tensorboard, wandb, ...}
     guards:     {nonfinite, spike_factor, spike_window, spike_action, max_rollbacks, debug_*}
     evaluation: {interval, batches}
@@ -87,8 +87,8 @@ class ModelConfig:
     """`RMSNorm` or `LayerNorm`."""
     position_embedding: str = "learned_absolute"
     """`learned_absolute` or `rope` (rotary position embedding, arXiv 2104.09864)."""
-    rotary_base: int = 10000
-    """RoPE base period (Llama 3: 500000, Qwen2: 1000000)."""
+    rotary_base: float = 10000.0
+    """RoPE base period (Llama 3: 500000, Qwen2: 1000000; a fractional one is kept as it is)."""
     rope_scaling_factor: Optional[float] = None
     """Llama 3.1's RoPE frequency scaling with this factor (Megatron-Core's `rope_scaling`:
     low/high frequency factors 1 and 4, original context 8192); None: no scaling."""
@@ -171,22 +171,28 @@ class DataConfig:
     (Python standard library prose, built once under `cache_dir`)."""
     weights: Optional[list[float]] = None
     """Blend weights, one per prefix (None: one pass over each)."""
-    tokenizer_model: Optional[str] = None
-    """SentencePiece `.model` of the prefixes (required with `prefixes`)."""
+    tokenizer: Optional[str] = None
+    """The tokenizer of the data (megamoe.train.tokenizer.load_tokenizer): a SentencePiece
+    `.model`, a Hugging Face `tokenizer.json` or a folder holding one. Required with `prefixes`
+    (whose `PREFIX.tokenizer-identity.json` it must match); without `prefixes` the default corpus
+    is tokenized with it. `data.tokenizer_model` (older configs) is read as this key."""
     cache_dir: str = "~/.cache/megamoe"
     """Where the default corpus and the dataset index caches live (shared by all ranks)."""
     split: str = "100,0,0"
     """train/valid/test document split weights."""
     vocab_size: int = 4096
-    """Vocabulary size. Without `prefixes`: the size the default corpus's tokenizer is trained
-    to. With `prefixes` the trainer takes `tokenizer_model`'s own size, and this value says
+    """Vocabulary size. Without `tokenizer`: the size the default corpus's tokenizer is trained
+    to. With `tokenizer` the trainer takes the tokenizer's own size (or the embedding rows of
+    the checkpoint it starts from, when they are more), and this value says
     what that size is where the tokenizer is not at hand: the memory planner
     (`tools/plan_memory.py`) counts the embedding and output layer with it (the recipes set
     their model's vocabulary here)."""
     num_workers: int = 0
     """Data loader worker processes per rank."""
     eod_mask_loss: bool = False
-    """Do not train on predicting the end-of-document token."""
+    """Megatron's eod_mask_loss: positions whose input is the end-of-document token do not count
+    in the loss (the next document's first token is not predicted across the boundary). Off,
+    every position counts, the end of each document included, whatever the tokenizer's pad."""
 
 
 @dataclass
@@ -264,6 +270,11 @@ class CheckpointConfig:
     resume_from_verified: bool = False
     """When the tracker's checkpoint is missing or fails its checksums, resume from the newest
     checkpoint that verifies instead of stopping with an error."""
+    allow_other_tokenizer: bool = False
+    """Train the weights of `init_from` or of the resumed checkpoint on data of a tokenizer
+    other than the one the checkpoint records (its fingerprint differs), e.g. after changing
+    the vocabulary on purpose. Off, such a run is refused before it trains: the model would
+    learn token ids that mean something else."""
 
 
 @dataclass
@@ -394,6 +405,8 @@ class TrainConfig:
 
 
 _SECTIONS = [f.name for f in dataclasses.fields(TrainConfig)]
+KEY_ALIASES = {"data.tokenizer_model": "data.tokenizer"}
+"""Keys older configs wrote -> the key that reads them now."""
 _MOE_REQUIRED = ("num_experts", "ffn_hidden_size")
 
 
@@ -544,10 +557,30 @@ def _build_moe(raw: Any, where: str) -> dict:
     return moe
 
 
+def _resolve_aliases(raw: dict, where: str) -> dict:
+    """`raw` with each `KEY_ALIASES` key moved to the key it stands for (both given: an
+    error, unless they agree)."""
+    for alias, key in KEY_ALIASES.items():
+        section, old = alias.split(".")
+        new = key.split(".")[1]
+        values = raw.get(section)
+        if isinstance(values, dict) and old in values:
+            values = dict(values)
+            value = values.pop(old)
+            if new in values and values[new] != value:
+                raise ConfigError(f"{alias}={_brief(value)} and {key}={_brief(values[new])} "
+                                  f"{where} disagree; {alias} is the older name of {key}: keep "
+                                  "only one")
+            raw = {**raw, section: {**values, new: value}}
+    return raw
+
+
 def config_from_dict(raw: Any, where: str = "in the config") -> TrainConfig:
-    """Build and validate a TrainConfig from nested plain data (a parsed YAML document)."""
+    """Build and validate a TrainConfig from nested plain data (a parsed YAML document); the
+    older key names of `KEY_ALIASES` are read as their new names."""
     if not isinstance(raw, dict):
         raise ConfigError(f"the config {where} must be a mapping of sections, not {raw!r}")
+    raw = _resolve_aliases(raw, where)
     values = {}
     for name, value in raw.items():
         if name not in _SECTIONS:
@@ -599,8 +632,11 @@ def _check_override_path(path: list, text: str) -> None:
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """A copy of `raw` with each `key=value` override set (dotted keys reach into sections)."""
     merged = yaml.safe_load(yaml.safe_dump(raw)) if raw else {}
+    merged = _resolve_aliases(merged, "in the config")  # an override of either name wins
     for text in overrides:
         path, value = parse_override(text)
+        alias = KEY_ALIASES.get(".".join(map(str, path)))
+        path = alias.split(".") if alias else path
         _check_override_path(path, text)
         node = merged
         for part in path[:-1]:
@@ -728,9 +764,9 @@ def validate(config: TrainConfig) -> None:
                        ("guards.debug_nan_step", g.debug_nan_step),
                        ("guards.debug_spike_step", g.debug_spike_step)]:
         _require(value >= 0, f"{key}={value} must be >= 0")
-    _require(bool(d.prefixes) == bool(d.tokenizer_model),
-             "data.prefixes and data.tokenizer_model go together: set both, or neither for the "
-             "default corpus")
+    _require(bool(d.tokenizer) or not d.prefixes,
+             "data.prefixes needs data.tokenizer, the tokenizer the data was made with (a "
+             "SentencePiece .model, a tokenizer.json or a Hugging Face folder)")
     _check_finetune(config)
     for key in _MOE_REQUIRED:
         _require(key in config.moe, f"moe.{key} is missing; every MoE model needs it")
@@ -778,9 +814,9 @@ def _check_ranges(config: TrainConfig) -> None:
                        ("model.attention_dropout", m.attention_dropout),
                        ("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)]:
         _require(0 <= value < 1, f"{key}={value} must be in [0, 1)")
-    for key, value in [("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
-                       ("model.rotary_base", m.rotary_base)]:
-        _require(value >= 1, f"{key}={value} must be >= 1")
+    _require(m.make_vocab_size_divisible_by >= 1,
+             f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by} must be >= 1")
+    _require(m.rotary_base > 0, f"model.rotary_base={m.rotary_base} must be > 0")
     for key, value in [("parallel.first_stage_layers", p.first_stage_layers),
                        ("parallel.last_stage_layers", p.last_stage_layers)]:
         _require(value is None or value >= 1, f"{key}={value} must be >= 1 or null")

@@ -7,9 +7,10 @@ Python build gathers the same bytes, in the same order):
   site-packages excluded;
 - the language reference topics that `pydoc` serves (`pydoc_data/topics.py`), one document each.
 
-`ensure_default_dataset` turns this into a Megatron indexed dataset plus a SentencePiece
-tokenizer trained on it, once per cache directory, through the same code as
-tools/preprocess_data.py.
+`ensure_default_dataset` turns this into a Megatron indexed dataset, once per cache directory,
+through the same code as tools/preprocess_data.py: tokenized with a given tokenizer (a model's
+own, e.g. an imported model's: one dataset per tokenizer fingerprint), else with a SentencePiece
+tokenizer trained on it (one per vocabulary size).
 """
 
 from __future__ import annotations
@@ -21,18 +22,22 @@ import os
 import sys
 import sysconfig
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 from tqdm import tqdm
 
 from megamoe.atomic import atomic_directory
+from megamoe.bounded import read_bytes_bounded
+from megamoe.errors import DataError
 from megamoe.train.data_prep import preprocess
+from megamoe.train.tokenizer import Tokenizer
 
 CORPUS_VERSION = 1  # bump when the gathering rules change: it names the cache entry
 DEFAULT_VOCAB_SIZE = 4096
 MIN_DOCSTRING_CHARS = 40
 MIN_COMMENT_CHARS = 80
 MIN_PROSE_FRACTION = 0.85  # letters and spaces over all characters of a comment block
+MAX_SOURCE_BYTES = 16 << 20  # the largest stdlib module (pydoc_data/topics.py) is < 1 MiB
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 _DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
@@ -102,14 +107,19 @@ def stdlib_documents(stdlib_dir: str | os.PathLike | None = None) -> Iterator[tu
     )
     seen: set[str] = set()
     for rel in modules:
-        text = module_text((root / rel).read_bytes(), seen)
+        text = module_text(_source(root / rel), seen)
         if text:
             yield f"stdlib/{rel}", text
     topics_file = root / "pydoc_data" / "topics.py"
     if topics_file.is_file():
-        topics = _topics(topics_file.read_bytes())
+        topics = _topics(_source(topics_file))
         for key in sorted(topics):
             yield f"pydoc_data/{key}", topics[key]
+
+
+def _source(path: Path) -> bytes:
+    """The bytes of one source file of the standard library (at most MAX_SOURCE_BYTES)."""
+    return read_bytes_bounded(path, MAX_SOURCE_BYTES, DataError, f"source file {path}")
 
 
 def _topics(source: bytes) -> dict[str, str]:
@@ -122,34 +132,42 @@ def _topics(source: bytes) -> dict[str, str]:
     return {}
 
 
-def default_dataset_dir(cache_dir: str | os.PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:
-    """Where `ensure_default_dataset` keeps the dataset of this Python, corpus version, vocab."""
+def default_dataset_dir(cache_dir: str | os.PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE,
+                        tokenizer: Optional[Tokenizer] = None) -> Path:
+    """Where `ensure_default_dataset` keeps the dataset of this Python, corpus version, and
+    tokenizer: `tokenizer`'s fingerprint, else the size of the tokenizer trained for it."""
     version = ".".join(map(str, sys.version_info[:3]))
-    return Path(cache_dir) / f"stdlib-corpus-py{version}-v{CORPUS_VERSION}-vocab{vocab_size}"
+    which = f"vocab{vocab_size}" if tokenizer is None else f"tokenizer-{tokenizer.fingerprint[:16]}"
+    return Path(cache_dir) / f"stdlib-corpus-py{version}-v{CORPUS_VERSION}-{which}"
 
 
 def ensure_default_dataset(
-    cache_dir: str | os.PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE, progress: bool = True
+    cache_dir: str | os.PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE, progress: bool = True,
+    tokenizer: Optional[Tokenizer] = None,
 ) -> tuple[str, str]:
-    """Build (once) the default dataset under `cache_dir`; return (data_prefix, tokenizer_model).
+    """Build (once) the default dataset under `cache_dir`; return (data_prefix, tokenizer path).
 
     The directory holds `corpus.jsonl` (the gathered documents, fields `text` and `source`),
-    `text_document.bin/.idx` and the tokenizer `text_document.model` (`vocab_size` pieces). It
-    appears atomically and concurrent callers (several ranks on one machine) wait for the one
-    that builds it.
+    `text_document.bin/.idx` with their tokenizer identity (`text_document.tokenizer-identity.
+    json`), tokenized with `tokenizer`, or (None) with the tokenizer `text_document.model` of
+    `vocab_size` pieces trained on it. It appears atomically and concurrent callers (several
+    ranks on one machine) wait for the one that builds it.
     """
-    target = default_dataset_dir(cache_dir, vocab_size)
+    target = default_dataset_dir(cache_dir, vocab_size, tokenizer)
     prefix = target / "text_document"
+    model = target / "text_document.model" if tokenizer is None else Path(tokenizer.path)
+    # not the identity file: a cache from before identities has none, and the trainer then
+    # checks the data's ids and document ends instead
     outputs = (
         target / "text_document.bin",
         target / "text_document.idx",
-        target / "text_document.model",
+        *([model] if tokenizer is None else []),
     )
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not all(p.is_file() for p in outputs):
-            with atomic_directory(target, overwrite=True) as tmp:
+            with atomic_directory(target, overwrite=True, owner="default_corpus") as tmp:
                 corpus = tmp / "corpus.jsonl"
                 with open(corpus, "w", encoding="utf-8") as f:
                     gathered = stdlib_documents()
@@ -157,7 +175,7 @@ def ensure_default_dataset(
                         gathered, desc="gathering text", unit="doc", disable=not progress
                     ):
                         f.write(json.dumps({"text": text, "source": source}) + "\n")
-                preprocess(
-                    [corpus], tmp / "text_document", vocab_size=vocab_size, progress=progress
-                )
-    return str(prefix), str(outputs[2])
+                how = (dict(vocab_size=vocab_size) if tokenizer is None else
+                       dict(tokenizer_model=tokenizer.path))
+                preprocess([corpus], tmp / "text_document", progress=progress, **how)
+    return str(prefix), str(model)

@@ -6,6 +6,8 @@ shuffled and packed into `seq_length + 1`-token samples, deterministically for a
 shuffle indices are cached in `index_cache_dir`. Under torch.distributed it must be called on
 every rank: global rank 0 builds the indices first, the others then read them from the cache
 (so the cache directory must be visible to all ranks). It also works without torch.distributed.
+Loss masks are Megatron's: every position counts except, with `eod_mask_loss`, those whose input
+is an end of document. A tokenizer's pad id never masks anything (`DatasetTokenizer`).
 
 `iterate_batches` deals the samples to data-parallel ranks the way Megatron's pretraining sampler
 does: global sample g belongs to micro step g // (micro_batch_size * dp_size) and to rank
@@ -34,7 +36,7 @@ from megamoe.errors import ConfigError, DataError, MegaMoEError
 from megamoe.megatron import compat
 from megamoe.train.config import check_blend_weights, split_weights
 from megamoe.train.indexed_check import check_indexed_dataset
-from megamoe.train.tokenizer import SentencePieceTokenizer
+from megamoe.train.tokenizer import Tokenizer
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -46,6 +48,26 @@ class Batch(NamedTuple):
     labels: torch.Tensor  # int64 next-token targets (tokens shifted left by one)
     loss_mask: torch.Tensor  # float32, 0 where a position must not count in the loss
     position_ids: torch.Tensor  # int64
+
+
+class DatasetTokenizer:
+    """What Megatron-Core's GPTDataset reads of a tokenizer: `vocab_size`, `eod`,
+    `unique_identifiers` (hashed into its index cache names) and `pad`.
+
+    `pad` is always Megatron's own sentinel -1, which no data holds: GPTDataset (megatron-core
+    0.16 and 0.19, `__getitem__`) sets the loss mask to 0 wherever a label equals the pad id
+    and replaces those tokens and labels by 0, so a pad equal to the end of document (Qwen,
+    DeepSeek) would stop every document end from being learned (Megatron-LM PR #2017; both
+    versions then fall back to -1 themselves, with a warning, only when they recognise the
+    collision and `allow_ambiguous_pad_tokens` is off). Pretraining samples are packed, never
+    padded, except the last sample of a split, which Megatron pads with the sentinel and masks.
+    """
+
+    pad = -1
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.vocab_size, self.eod = tokenizer.vocab_size, tokenizer.eod
+        self.unique_identifiers = tokenizer.unique_identifiers
 
 
 def _require_helpers() -> None:
@@ -94,7 +116,7 @@ def _check_blend(
 
 def build_gpt_datasets(
     prefixes: Sequence[str],
-    tokenizer: SentencePieceTokenizer,
+    tokenizer: Tokenizer,
     *,
     seq_length: int,
     seed: int,
@@ -129,7 +151,7 @@ def build_gpt_datasets(
         blend=(prefixes, None if weights is None else [float(w) for w in weights]),
         split=split,
         path_to_cache=str(index_cache_dir),
-        tokenizer=tokenizer,
+        tokenizer=DatasetTokenizer(tokenizer),
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=eod_mask_loss,

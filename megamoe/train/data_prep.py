@@ -1,38 +1,54 @@
 """Tokenize text corpora into Megatron indexed datasets (PREFIX.bin / PREFIX.idx).
 
 Input formats, chosen by file name:
-- `*.jsonl` / `*.json`: one JSON object a line; the document is the string under `json_key`.
+- `*.jsonl` / `*.json`: one JSON object a line; the document is the string under `json_key`
+  (blank lines are skipped);
 - any other file: plain UTF-8 text; every blank-line-separated paragraph is one document.
-Empty documents are skipped. Each document is written as one sequence of token ids followed by
-the end-of-document (EOD) token, with megatron-core's own `IndexedDatasetBuilder`.
+Each document is written as the ids its tokenizer gives it (`Tokenizer.document_encoder`: for a
+Hugging Face tokenizer `AutoTokenizer(text)["input_ids"]`, BOS included when the model adds
+one) followed by the end-of-document id: the stream Megatron-LM's `tools/preprocess_data.py
+--append-eod` writes (like it, a document without any token is left out).
 
-The tokenizer is either an existing SentencePiece model or one trained here on the same corpus
-and saved as PREFIX.model. All outputs are written under temporary names and renamed into place
-only when everything succeeded, so a failure leaves nothing behind.
+The tokenizer is any `load_tokenizer` reads (a model folder, a tokenizer.json, a SentencePiece
+model) or a SentencePiece model trained here on the same corpus and saved as PREFIX.model.
+Beside the dataset goes its tokenizer's identity, PREFIX.tokenizer-identity.json.
+
+Speed and memory: the input is cut into blocks of about BLOCK_BYTES at line ends and `workers`
+processes tokenize blocks (parse the JSON, encode the batch with the tokenizers library or
+sentencepiece) while this process writes finished blocks in input order (a window of 2 blocks
+per worker in flight, so memory is bounded whatever the input size; one record may be at most
+MAX_RECORD_BYTES). All outputs are written under temporary names and renamed into place only
+when everything succeeded, so a failure leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import multiprocessing
 import os
 import shutil
 import tempfile
 import time
-import warnings
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator, Sequence
+from typing import BinaryIO, Callable, Iterator, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
-from megamoe.bounded import decode_utf8, parse_json
+from megamoe.bounded import decode_utf8, parse_json, regular_file_size
 from megamoe.errors import DataError
 from megamoe.paths import refuse_overlap
-from megamoe.train.tokenizer import SentencePieceTokenizer, train_sentencepiece
+from megamoe.train.indexed_write import IndexedWriter, token_dtype
+from megamoe.train.tokenizer import (SentencePieceTokenizer, Tokenizer, dataset_identity,
+                                     identity_path, load_tokenizer, train_sentencepiece)
 
 JSONL_SUFFIXES = (".jsonl", ".json")
-_ENCODE_BATCH = 256  # documents per sentencepiece call
+BLOCK_BYTES = 1 << 20  # input bytes per task: large enough to amortise a task, small to stream
+MAX_RECORD_BYTES = 256 << 20  # one jsonl line or text paragraph
+MAX_INPUT_BYTES = 1 << 50
 
 
 @dataclass(frozen=True)
@@ -44,64 +60,146 @@ class PrepSummary:
     documents: int
     tokens: int  # including one EOD per document
     seconds: float
+    input_bytes: int = 0
 
     def line(self) -> str:
         """One human-readable summary line."""
+        rate = self.tokens / max(self.seconds, 1e-9)
         return (
             f"wrote {self.output_prefix}.bin/.idx: {self.documents} documents, "
-            f"{self.tokens} tokens in {self.seconds:.1f} s (tokenizer {self.tokenizer_model})"
+            f"{self.tokens} tokens in {self.seconds:.1f} s ({rate:,.0f} tokens/s; tokenizer "
+            f"{self.tokenizer_model})"
         )
 
 
-def _read_jsonl(f: BinaryIO, path: Path, json_key: str, bar: tqdm) -> Iterator[str]:
-    for lineno, raw in enumerate(f, start=1):
-        bar.update(len(raw))
+@dataclass(frozen=True)
+class Block:
+    """A task: whole jsonl lines (`raw`, starting at line `first_line` of `path`) or, for text
+    files, the documents themselves."""
+
+    path: str
+    first_line: int
+    size: int  # input bytes
+    raw: bytes = b""
+    documents: tuple[str, ...] = ()
+    json_key: str = "text"
+
+
+def _jsonl_documents(block: Block) -> list[str]:
+    texts = []
+    for number, raw in enumerate(block.raw.split(b"\n"), start=block.first_line):
         if not raw.strip():
             continue
-        record = parse_json(decode_utf8(raw, DataError, f"{path}:{lineno}"), DataError,
-                            f"{path}:{lineno}")
-        text = record.get(json_key) if isinstance(record, dict) else None
+        where = f"{block.path}:{number}"
+        record = parse_json(decode_utf8(raw, DataError, where), DataError, where)
+        text = record.get(block.json_key) if isinstance(record, dict) else None
         if not isinstance(text, str):
-            raise DataError(
-                f"{path}:{lineno}: no string field {json_key!r}; pass --json-key with the name of "
-                "the field that holds the text"
-            )
-        yield text
+            raise DataError(f"{where}: no string field {block.json_key!r}; pass --json-key with "
+                            "the name of the field that holds the text")
+        texts.append(text)
+    return texts
 
 
-def _read_paragraphs(f: BinaryIO, path: Path, bar: tqdm) -> Iterator[str]:
+_ENCODER: Callable[[Sequence[str]], list[list[int]]] | None = None
+_DTYPE: np.dtype | None = None
+
+
+def _start_worker(encoder: Callable, dtype: np.dtype) -> None:
+    """Worker initializer: one tokenizer per process, single-threaded (the processes are the
+    parallelism)."""
+    global _ENCODER, _DTYPE
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _ENCODER, _DTYPE = encoder, dtype
+
+
+def encode_block(block: Block, encoder: Callable | None = None,
+                 dtype: np.dtype | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """(token ids end to end, each document's length, input bytes) of a block; documents
+    without any token besides EOD are left out, as Megatron-LM leaves them out."""
+    encoder, dtype = encoder or _ENCODER, dtype or _DTYPE
+    texts = _jsonl_documents(block) if block.raw else list(block.documents)
+    docs = [ids for ids in encoder(texts) if len(ids) > 1] if texts else []
+    lengths = np.fromiter((len(d) for d in docs), dtype=np.int32, count=len(docs))
+    tokens = np.fromiter((t for d in docs for t in d), dtype=dtype, count=int(lengths.sum()))
+    return tokens, lengths, block.size
+
+
+def _line_blocks(f: BinaryIO, path: Path, json_key: str) -> Iterator[Block]:
+    """Blocks of whole lines of about BLOCK_BYTES; a line longer than MAX_RECORD_BYTES is
+    refused when that many bytes have been read without a line end."""
+    pieces: list[bytes] = []  # the line being read, which has no line end yet
+    pending, line = 0, 1
+    while chunk := f.read(BLOCK_BYTES):
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            pieces.append(chunk)
+            pending += len(chunk)
+            if pending > MAX_RECORD_BYTES:
+                raise DataError(f"{path}:{line}: a line longer than {MAX_RECORD_BYTES:,} bytes, "
+                                "the limit for one record; split the document")
+            continue
+        whole = b"".join([*pieces, chunk[:end]])
+        yield Block(str(path), line, len(whole) + 1, raw=whole, json_key=json_key)
+        line += whole.count(b"\n") + 1
+        pieces, pending = [chunk[end + 1:]], len(chunk) - end - 1
+    if pending:
+        yield Block(str(path), line, pending, raw=b"".join(pieces), json_key=json_key)
+
+
+def _paragraphs(f: BinaryIO, path: Path) -> Iterator[tuple[str, int]]:
+    """(paragraph, input bytes up to its end) of a text file."""
     paragraph: list[str] = []
-    for lineno, raw in enumerate(f, start=1):
-        bar.update(len(raw))
-        try:
-            line = raw.decode("utf-8").rstrip("\r\n")
-        except UnicodeDecodeError:
-            raise DataError(f"{path}:{lineno}: not UTF-8 text; convert the file to UTF-8") from None
+    size = length = 0
+    for lineno, raw in enumerate(iter(lambda: f.readline(MAX_RECORD_BYTES + 1), b""), start=1):
+        size += len(raw)
+        length = length + len(raw) if paragraph else len(raw)
+        if length > MAX_RECORD_BYTES:
+            raise DataError(f"{path}:{lineno}: a paragraph longer than {MAX_RECORD_BYTES:,} "
+                            "bytes, the limit for one document; split it with blank lines")
+        line = decode_utf8(raw, DataError, f"{path}:{lineno}").rstrip("\r\n")
         if line.strip():
             paragraph.append(line)
         elif paragraph:
-            yield "\n".join(paragraph)
-            paragraph = []
-    if paragraph:
-        yield "\n".join(paragraph)
+            yield "\n".join(paragraph), size
+            paragraph, size = [], 0
+    if paragraph or size:
+        yield "\n".join(paragraph), size
 
 
-def read_documents(
-    paths: Sequence[Path], json_key: str = "text", desc: str = "reading", progress: bool = True
-) -> Iterator[str]:
-    """Yield the non-empty documents of `paths` in order (formats: see the module docstring).
+def _paragraph_blocks(f: BinaryIO, path: Path) -> Iterator[Block]:
+    batch: list[str] = []
+    size = 0
+    for doc, consumed in _paragraphs(f, path):
+        if doc:
+            batch.append(doc)
+        size += consumed
+        if size >= BLOCK_BYTES:
+            yield Block(str(path), 0, size, documents=tuple(batch))
+            batch, size = [], 0
+    if size:
+        yield Block(str(path), 0, size, documents=tuple(batch))
 
-    Shows a tqdm bar over input bytes; raises DataError naming file and line on malformed input.
-    """
+
+def input_blocks(paths: Sequence[Path], json_key: str = "text") -> Iterator[Block]:
+    """The blocks of `paths` in order (formats: see the module docstring)."""
+    for path in paths:
+        with open(path, "rb") as f:
+            if path.suffix.lower() in JSONL_SUFFIXES:
+                yield from _line_blocks(f, path, json_key)
+            else:
+                yield from _paragraph_blocks(f, path)
+
+
+def read_documents(paths: Sequence[Path], json_key: str = "text", desc: str = "reading",
+                   progress: bool = True) -> Iterator[str]:
+    """Yield the documents of `paths` in order (formats: see the module docstring), with a bar
+    over input bytes; raises DataError naming file and line on malformed input."""
     total = sum(p.stat().st_size for p in paths)
-    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not progress) as bar:
-        for path in paths:
-            with open(path, "rb") as f:
-                if path.suffix.lower() in JSONL_SUFFIXES:
-                    docs = _read_jsonl(f, path, json_key, bar)
-                else:
-                    docs = _read_paragraphs(f, path, bar)
-                yield from (doc for doc in docs if doc.strip())
+    with tqdm(total=total, desc=desc, unit="B", unit_scale=True,
+              disable=None if progress else True) as bar:
+        for block in input_blocks(paths, json_key):
+            yield from _jsonl_documents(block) if block.raw else block.documents
+            bar.update(block.size)
 
 
 def _training_lines(paths: Sequence[Path], json_key: str, progress: bool) -> Iterator[str]:
@@ -119,7 +217,8 @@ def _check_outputs(targets: Sequence[Path], overwrite: bool) -> None:
 
 @contextlib.contextmanager
 def _staged_outputs(targets: Sequence[Path]) -> Iterator[list[Path]]:
-    """Yield temporary paths, one per target, renamed onto the targets only on success."""
+    """Yield temporary paths, one per target, renamed onto the targets (in order) only on
+    success."""
     parent = targets[0].parent
     parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{targets[0].stem}.tmp-", dir=parent))
@@ -136,9 +235,35 @@ def _check_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
         raise DataError("no input files given; pass one or more .jsonl or text files")
     paths = [Path(p) for p in inputs]
     for path in paths:
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise DataError(f"input file {path} does not exist; check the path")
+        regular_file_size(path, MAX_INPUT_BYTES, DataError, f"input file {path}")
     return paths
+
+
+def _encoded_blocks(blocks: Iterator[Block], tokenizer: Tokenizer, dtype: np.dtype,
+                    workers: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """`encode_block` of each block, in order: here when `workers` is 1, else in `workers`
+    processes with at most 2 blocks per worker in flight."""
+    encoder = tokenizer.document_encoder()
+    if workers == 1:
+        yield from (encode_block(block, encoder, dtype) for block in blocks)
+        return
+    context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
+                               initargs=(encoder, dtype))
+    pending: collections.deque[Future] = collections.deque()
+    try:
+        for block in blocks:
+            pending.append(pool.submit(encode_block, block))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for future in pending:
+            future.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def preprocess(
@@ -153,67 +278,66 @@ def preprocess(
     progress: bool = True,
     num_threads: int | None = None,
 ) -> PrepSummary:
-    """Tokenize `inputs` into the Megatron indexed dataset `output_prefix`.bin/.idx.
+    """Tokenize `inputs` into the Megatron indexed dataset `output_prefix`.bin/.idx, with its
+    tokenizer identity `output_prefix`.tokenizer-identity.json.
 
-    Exactly one of `tokenizer_model` (an existing SentencePiece model) and `vocab_size` (train a
-    `model_type` model of that size on `inputs` and save it as `output_prefix`.model) is given.
-    Every document is followed by the tokenizer's EOD id. Returns counts and wall time.
+    Exactly one of `tokenizer_model` (any tokenizer `load_tokenizer` reads) and `vocab_size`
+    (train a `model_type` SentencePiece model of that size on `inputs` and save it as
+    `output_prefix`.model) is given. `num_threads` worker processes tokenize (default: the
+    cores this process may use). Returns counts and wall time.
     """
     start = time.perf_counter()
     if (tokenizer_model is None) == (vocab_size is None):
-        raise DataError("pass exactly one of --tokenizer-model and --train-tokenizer --vocab-size")
+        raise DataError("pass exactly one of --tokenizer and --train-tokenizer --vocab-size")
     paths = _check_inputs(inputs)
     prefix = Path(output_prefix)
-    targets = [prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".idx")]
-    if vocab_size is not None:
-        targets.append(prefix.with_name(prefix.name + ".model"))
-    for target in targets:
-        refuse_overlap(target, [*paths, tokenizer_model], flag="--output-prefix")
+    bin_, idx = prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".idx")
+    model = prefix.with_name(prefix.name + ".model")
+    # Renamed in this order: the index, which readers look for, last.
+    targets = [*([model] if vocab_size is not None else []), bin_, identity_path(prefix), idx]
+    if prefix.is_dir():
+        raise DataError(f"--output-prefix {prefix} is a folder; the outputs are files named "
+                        f"after the prefix: pass one inside it, e.g. {prefix / 'corpus'}")
+    for target in [prefix, *targets]:
+        refuse_overlap(target, [*paths, *([tokenizer_model] if tokenizer_model else [])],
+                       flag="--output-prefix")
     _check_outputs(targets, overwrite)
-    threads = num_threads or len(os.sched_getaffinity(0))
-
-    # The builder imports megatron-core (seconds); bad arguments are reported before that. Its
-    # import warns about missing GPU libraries, which says nothing about preprocessing.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    workers = num_threads or len(os.sched_getaffinity(0))
+    tokenizer = None if tokenizer_model is None else load_tokenizer(tokenizer_model)
+    total = sum(p.stat().st_size for p in paths)
 
     with _staged_outputs(targets) as staged:
-        if vocab_size is not None:
+        staged_bin, staged_identity, staged_idx = staged[-3:]
+        if tokenizer is None:
             lines = _training_lines(paths, json_key, progress)
-            staged[2].write_bytes(train_sentencepiece(lines, vocab_size, model_type, threads))
-            tokenizer = SentencePieceTokenizer(staged[2])
-            model_path = str(targets[2])
-        else:
-            tokenizer = SentencePieceTokenizer(tokenizer_model)
-            model_path = str(tokenizer_model)
-        dtype = DType.optimal_dtype(tokenizer.vocab_size)
-        builder = IndexedDatasetBuilder(str(staged[0]), dtype=dtype)
-        documents = tokens = 0
-        batch: list[str] = []
-
-        def flush() -> None:
-            nonlocal documents, tokens
-            for ids in tokenizer.tokenize_batch(batch, threads):
-                doc = np.asarray(ids + [tokenizer.eod], dtype=dtype)
-                builder.add_document(doc, [doc.size])
-                documents += 1
-                tokens += doc.size
-            batch.clear()
-
-        for doc in read_documents(paths, json_key, desc="tokenizing", progress=progress):
-            batch.append(doc)
-            if len(batch) == _ENCODE_BATCH:
-                flush()
-        flush()
-        if documents == 0:
+            staged[0].write_bytes(train_sentencepiece(lines, vocab_size, model_type, workers))
+            tokenizer = SentencePieceTokenizer(staged[0])
+            tokenizer.path = tokenizer.model_path = str(model.resolve())
+            tokenizer.files = [model.resolve()]
+        dtype = token_dtype(tokenizer.vocab_size)
+        writer = IndexedWriter(staged_bin, staged_bin.with_suffix(".lengths"), dtype)
+        try:
+            # The bar shows on a terminal only (tqdm's disable=None), not in a log or a pipe.
+            with tqdm(total=total, desc="tokenizing", unit="B", unit_scale=True,
+                      disable=None if progress else True) as bar:
+                for tokens, lengths, size in _encoded_blocks(input_blocks(paths, json_key),
+                                                            tokenizer, dtype, workers):
+                    writer.add(tokens, lengths)
+                    rate = writer.documents / max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(f"{rate:,.0f} docs/s", refresh=False)
+                    bar.update(size)
+        finally:
+            writer.close()
+        if writer.documents == 0:
             names = ", ".join(str(p) for p in paths)
             raise DataError(f"no documents found in {names}; the inputs are empty")
-        builder.finalize(str(staged[1]))
+        writer.finish(staged_idx)
+        staged_identity.write_text(dataset_identity(tokenizer))
     return PrepSummary(
         output_prefix=str(prefix),
-        tokenizer_model=model_path,
-        documents=documents,
-        tokens=tokens,
+        tokenizer_model=tokenizer.describe(),
+        documents=writer.documents,
+        tokens=writer.tokens,
         seconds=time.perf_counter() - start,
+        input_bytes=total,
     )

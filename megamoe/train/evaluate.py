@@ -22,17 +22,15 @@ from megamoe.errors import ConfigError
 from megamoe.megatron.masks import attention_mask_for
 from megamoe.train.config import TrainConfig
 from megamoe.train.data import build_gpt_datasets, iterate_batches
-from megamoe.train.inputs import data_sources
-from megamoe.train.tokenizer import SentencePieceTokenizer
+from megamoe.train.tokenizer import Tokenizer
 
 
 class HeldOutLoss:
     """`evaluation.batches` fixed valid-split batches; call with the model for their loss."""
 
-    def __init__(self, config: TrainConfig, device: torch.device):
+    def __init__(self, config: TrainConfig, device: torch.device, prefixes: list[str],
+                 tokenizer: Tokenizer):
         e, t = config.evaluation, config.training
-        prefixes, tokenizer_model = data_sources(config)
-        tokenizer = SentencePieceTokenizer(tokenizer_model)
         _, valid, _ = build_gpt_datasets(
             prefixes, tokenizer, seq_length=config.model.seq_length, seed=t.seed,
             num_samples=(0, e.batches * t.global_batch_size, None),
@@ -54,9 +52,12 @@ class HeldOutLoss:
         self.device = device
 
     @classmethod
-    def for_run(cls, config: TrainConfig, device: torch.device) -> Optional["HeldOutLoss"]:
-        """The evaluator of a run, or None when `evaluation.interval` is 0."""
-        return cls(config, device) if config.evaluation.interval > 0 else None
+    def for_run(cls, config: TrainConfig, device: torch.device, prefixes: list[str],
+                tokenizer: Tokenizer) -> Optional["HeldOutLoss"]:
+        """The evaluator of a run on its data `prefixes` (of `tokenizer`, as
+        `inputs.data_sources` gives them), or None when `evaluation.interval` is 0."""
+        return cls(config, device, prefixes, tokenizer) if config.evaluation.interval > 0 \
+            else None
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0 or step == self.last_step

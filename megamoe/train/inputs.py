@@ -1,6 +1,13 @@
 """The run's training batches: the data of `data.prefixes` or the default corpus, sized to the
 run (train_steps x global_batch_size samples), dealt to data-parallel ranks and resumable at any
-consumed-sample count (megamoe.train.data)."""
+consumed-sample count (megamoe.train.data).
+
+The tokenizer is `data.tokenizer` (or, for the default corpus without one, the corpus's own),
+and the data must be its token ids: a dataset made by megamoe records its tokenizer beside it
+(`PREFIX.tokenizer-identity.json`), which must be the configured one; a dataset made elsewhere
+(Megatron-LM's preprocess_data.py) is checked for ids beyond the vocabulary and documents that
+do not end in the tokenizer's end-of-document id (megamoe.train.indexed_check).
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,34 +15,54 @@ from typing import Iterator
 
 import torch.distributed as dist
 
+from megamoe.errors import DataError
 from megamoe.train.config import TrainConfig
 from megamoe.train.corpus import ensure_default_dataset
 from megamoe.train.data import Batch, build_gpt_datasets, iterate_batches
 from megamoe.train.indexed_check import check_indexed_dataset
-from megamoe.train.tokenizer import SentencePieceTokenizer
+from megamoe.train.tokenizer import Tokenizer, load_tokenizer, read_dataset_identity
+from megamoe.train.tokenizer import describe_identity
 
 
-def data_sources(config: TrainConfig) -> tuple[list[str], str]:
-    """(dataset prefixes, tokenizer model) of the run. The default corpus is built once, by
-    global rank 0 first (the others then find it, or build their own on a node-local cache)."""
+def check_data_tokenizer(prefix: str, tokenizer: Tokenizer) -> None:
+    """Raise a one-line DataError unless the dataset `prefix` holds token ids of `tokenizer`:
+    its recorded tokenizer has the same fingerprint, or (no record) its ids are below the
+    vocabulary and its documents end in the end-of-document id."""
+    record = read_dataset_identity(prefix)
+    if record is None:
+        check_indexed_dataset(prefix, tokenizer.vocab_size, tokenizer.eod, tokenizer.describe())
+        return
+    if record["fingerprint"] != tokenizer.fingerprint:
+        raise DataError(f"{prefix} was made with tokenizer {describe_identity(record)} but "
+                        f"data.tokenizer is {tokenizer.describe()}; set data.tokenizer to the "
+                        "tokenizer the data was made with, or rebuild the data with "
+                        f"tools/preprocess_data.py --tokenizer {tokenizer.path}")
+    check_indexed_dataset(prefix, tokenizer.vocab_size)
+
+
+def data_sources(config: TrainConfig) -> tuple[list[str], Tokenizer]:
+    """(dataset prefixes, tokenizer) of the run, checked to belong together. The default corpus
+    is built once (tokenized with `data.tokenizer` when given, else with its own SentencePiece
+    model), by global rank 0 first (the others then find it, or build their own on a
+    node-local cache)."""
     data = config.data
+    tokenizer = load_tokenizer(Path(data.tokenizer).expanduser()) if data.tokenizer else None
     if data.prefixes:
         prefixes = [str(Path(p).expanduser()) for p in data.prefixes]
-        model = str(Path(data.tokenizer_model).expanduser())
-        vocab_size = SentencePieceTokenizer(model).vocab_size
         for prefix in prefixes:  # before the run writes anything
-            check_indexed_dataset(prefix, vocab_size)
-        return prefixes, model
+            check_data_tokenizer(prefix, tokenizer)
+        return prefixes, tokenizer
     cache = Path(data.cache_dir).expanduser()
     if dist.get_rank() == 0:
-        prefix, model = ensure_default_dataset(cache, data.vocab_size)
+        prefix, model = ensure_default_dataset(cache, data.vocab_size, tokenizer=tokenizer)
     dist.barrier()
     if dist.get_rank() != 0:
-        prefix, model = ensure_default_dataset(cache, data.vocab_size, progress=False)
-    return [prefix], model
+        prefix, model = ensure_default_dataset(cache, data.vocab_size, progress=False,
+                                               tokenizer=tokenizer)
+    return [prefix], tokenizer or load_tokenizer(model)
 
 
-def training_batches(config: TrainConfig, prefixes: list[str], tokenizer: SentencePieceTokenizer,
+def training_batches(config: TrainConfig, prefixes: list[str], tokenizer: Tokenizer,
                      dp_rank: int, dp_size: int, start_sample: int) -> Iterator[Batch]:
     """This data-parallel rank's micro-batches from global sample `start_sample` on. The
     dataset holds `guards.max_rollbacks` steps more than the run trains, for the batches a

@@ -35,8 +35,8 @@ from megamoe.checkpointing.layout import TrainState, latest_checkpoint
 from megamoe.errors import ConfigError
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 from megamoe.parallel.comm import TorchComm
-from megamoe.train.checkpoint import (load_checkpoint, load_model_weights, resume_checkpoint,
-                                      save_checkpoint)
+from megamoe.train.checkpoint import (check_start, load_checkpoint, load_model_weights,
+                                      resolve_weights_dir, resume_checkpoint, save_checkpoint)
 from megamoe.train.config import TrainConfig, dump_config
 from megamoe.train.engine import Engine
 from megamoe.train.evaluate import HeldOutLoss
@@ -58,7 +58,7 @@ from megamoe.train.model import build_model, transformer_config
 from megamoe.train.run_lock import lock_output_dir
 from megamoe.train.schedule import LRSchedule, set_learning_rate
 from megamoe.train.signals import StopRequest
-from megamoe.train.tokenizer import SentencePieceTokenizer
+from megamoe.train.tokenizer import Tokenizer
 
 
 def resolve_device(config: TrainConfig) -> tuple[bool, bool]:
@@ -134,6 +134,11 @@ class _Run:
     """What `finetune.method` trains (None: pretraining)."""
     evaluation: Optional[Evaluation]
     """The method's evaluation (None when pretraining)."""
+    prefixes: list[str]
+    tokenizer: Tokenizer
+    """The run's data and its tokenizer (`inputs.data_sources`), recorded in each checkpoint."""
+    origin: Optional[Path]
+    """The checkpoint folder the run started from (resumed or `init_from`), if any."""
 
 
 def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
@@ -148,8 +153,16 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
           f"{parallel_state.get_expert_model_parallel_rank()}, output {config.output_dir}",
           flush=True)
 
-    prefixes, tokenizer_model = data_sources(config)
-    tokenizer = SentencePieceTokenizer(tokenizer_model)
+    prefixes, tokenizer = data_sources(config)
+    resume_from = resume_checkpoint(config)
+    init_from = (resolve_weights_dir(config.checkpoint.init_from)
+                 if resume_from is None and config.checkpoint.init_from else None)
+    start = resume_from or init_from
+    rows = (check_start(start, tokenizer, config, init_from=init_from is not None)
+            if start is not None else None)
+    # released models pad their vocabulary (Qwen3-MoE: 151,936 rows for 151,669 ids): the model
+    # takes the rows of the checkpoint it starts from, so its weights (and export) keep them
+    vocab_size = max(tokenizer.vocab_size, rows or 0)
     tc = transformer_config(config, on_cuda, bf16)
     device = torch.device("cuda" if on_cuda else "cpu")
     evaluation = instructions = None
@@ -157,23 +170,23 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
     if method is not None:
         instructions = method.batches(config, tokenizer, dp_rank, dp_size)
         evaluation = method.evaluation(config, tokenizer, device)
-        chunks = method.build_model(config, tc, tokenizer.vocab_size)
+        chunks = method.build_model(config, tc, vocab_size)
     else:
-        chunks = build_model(config, tc, tokenizer.vocab_size)
+        chunks = build_model(config, tc, vocab_size)
     engine = Engine(chunks, tc, config, on_cuda,
                     routes_prompt=method is not None and method.routes_prompt)
     # One module for the loop's per-model helpers (balancing, guards, checkpoints).
     model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
 
     state, origin = TrainState(), "a fresh initialisation"
-    resume_from = resume_checkpoint(config)
     if resume_from is not None:
-        state = load_checkpoint(resume_from, model, engine, config)
+        state = load_checkpoint(resume_from, model, engine, config, tokenizer=tokenizer)
         origin = (f"{resume_from} (step {state.iteration}, {state.consumed_samples} samples "
                   "consumed)")
-    elif config.checkpoint.init_from:
-        loaded = load_model_weights(config.checkpoint.init_from, model, config,
-                                    new_key=method.is_own_state if method else None)
+    elif init_from is not None:
+        loaded = load_model_weights(init_from, model, config,
+                                    new_key=method.is_own_state if method else None,
+                                    tokenizer=tokenizer)
         origin = f"the weights of {loaded}"
         engine.model_weights_changed()
     if rank == 0:
@@ -187,8 +200,8 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
         f"({'CUDA, ' + ('bf16' if bf16 else 'fp32') if on_cuda else 'CPU, fp32'}; data "
         f"{dp_size} x expert {p.expert} x tensor {p.tensor} x pipeline {p.pipeline}"
         f"{f' x {p.virtual_stages} virtual' if p.virtual_stages > 1 else ''}), "
-        f"{_trainable_summary(model)} on rank 0, starting from {origin}; output in "
-        f"{config.output_dir}")
+        f"{_trainable_summary(model)} on rank 0, starting from {origin}; data tokenized with "
+        f"{tokenizer.describe()}; output in {config.output_dir}")
 
     def batches_from(start_sample: int) -> Iterator:
         if instructions is not None:
@@ -196,7 +209,8 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
         return training_batches(config, prefixes, tokenizer, dp_rank, dp_size, start_sample)
 
     return _Run(config, model, engine, state, batches_from(state.consumed_samples),
-                batches_from, num_microbatches, pgs, device, logger, method, evaluation)
+                batches_from, num_microbatches, pgs, device, logger, method, evaluation,
+                prefixes, tokenizer, start)
 
 
 def _train(run: _Run, stop: StopRequest) -> None:
@@ -212,7 +226,7 @@ def _train(run: _Run, stop: StopRequest) -> None:
     skip_at: set[int] = set()  # data positions whose step batch a rollback skips
     rollbacks = 0
     state = run.state
-    heldout = HeldOutLoss.for_run(config, run.device)
+    heldout = HeldOutLoss.for_run(config, run.device, run.prefixes, run.tokenizer)
     while state.iteration < config.training.train_steps:
         start = time.perf_counter()
         step = state.iteration + 1
@@ -266,8 +280,8 @@ def _train(run: _Run, stop: StopRequest) -> None:
         exiting = stops > 0 or _every(step, config.training.exit_interval)
         if exiting or step == config.training.train_steps or \
                 _every(step, config.checkpoint.interval):
-            saved = save_checkpoint(config.checkpoint_dir, state, run.model, engine, config)
-            logger.message(f"saved checkpoint {saved}")
+            logger.message(save_checkpoint(config.checkpoint_dir, state, run.model, engine,
+                                           config, run.tokenizer, run.origin))
         if exiting and step < config.training.train_steps:
             reason = "on a signal" if stops > 0 else "at training.exit_interval"
             logger.message(f"stopping after step {step} {reason}; run the same command again "
@@ -328,7 +342,7 @@ def _rollback(run: _Run, step: int, spike: Spike, position: int) -> TrainState:
         run.logger.event(step, "loss_spike", text, echo=False, loss=spike.loss,
                          moving_average=spike.average, action="stop")
         raise DivergenceError(text)
-    state = load_checkpoint(checkpoint, run.model, run.engine, run.config)
+    state = load_checkpoint(checkpoint, run.model, run.engine, run.config, run.tokenizer)
     for router in routers_of(run.model):  # the spiked step's routing counts go with it
         router.discard_step()
     run.batches = run.batches_from(state.consumed_samples)

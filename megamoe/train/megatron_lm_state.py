@@ -105,7 +105,11 @@ def megatron_lm_common(config: TrainConfig, state: TrainState, model: torch.nn.M
 
 
 def is_megatron_lm_checkpoint(common: dict) -> bool:
-    return isinstance(common.get("args"), argparse.Namespace) and "iteration" in common
+    """Whether a common state has what Megatron-LM's `generate_state_dict` always writes: its
+    argparse `args`, a numeric `checkpoint_version` and the `iteration`."""
+    version = common.get("checkpoint_version")
+    return (isinstance(common.get("args"), argparse.Namespace) and "iteration" in common
+            and isinstance(version, (int, float)) and not isinstance(version, bool))
 
 
 def check_megatron_lm_args(common: dict, config: TrainConfig, path) -> None:
@@ -116,19 +120,19 @@ def check_megatron_lm_args(common: dict, config: TrainConfig, path) -> None:
         if saved is not None and saved != wanted:
             raise CheckpointError(f"checkpoint {path} has {arg}={saved!r} but the config says "
                                   f"model.{key}={wanted!r}; use the checkpoint's model settings")
-    experts = getattr(args, "num_experts", None)
-    if experts is not None and experts != config.moe_config().num_experts:
-        raise CheckpointError(f"checkpoint {path} has num_experts={experts!r} but the config "
-                              f"says {config.moe_config().num_experts!r}; use the checkpoint's "
-                              "model settings")
+    moe = config.moe_config()
+    for arg, key in (("num_experts", "num_experts"), ("moe_ffn_hidden_size", "ffn_hidden_size")):
+        saved, wanted = getattr(args, arg, None), getattr(moe, key)
+        if saved is not None and saved != wanted:
+            raise CheckpointError(f"checkpoint {path} has {arg}={saved!r} but the config says "
+                                  f"moe.{key}={wanted!r}; use the checkpoint's model settings")
 
 
 def train_state_of(common: dict) -> TrainState:
     """The run's position in a Megatron-LM checkpoint (iteration, args.consumed_train_samples)."""
-    iteration = common.get("iteration", common.get("total_iters", 0))
+    iteration = common["iteration"]
     consumed = getattr(common["args"], "consumed_train_samples", 0)
-    if not isinstance(iteration, int) or not isinstance(consumed, int) or iteration < 0 \
-            or consumed < 0:
+    if type(iteration) is not int or type(consumed) is not int or iteration < 0 or consumed < 0:
         raise CheckpointError(f"iteration {iteration!r} / consumed_train_samples {consumed!r} "
                               "of the checkpoint are not counts; the checkpoint is corrupt")
     return TrainState(iteration, consumed)

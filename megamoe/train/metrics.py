@@ -22,9 +22,12 @@ from typing import Optional
 
 from tqdm import tqdm
 
+from megamoe.bounded import read_bounded, read_bytes_bounded
+from megamoe.errors import ConfigError
 from megamoe.train.config import TrainConfig
 
 _LAYER = re.compile(r"moe/layer(\d+)/(\w+)$")
+MAX_SMALL_FILE_BYTES = 1 << 20  # a netrc file, the wandb run id
 
 
 def layer_values(metrics: dict, name: str) -> list[tuple[int, float]]:
@@ -146,7 +149,8 @@ def _wandb_mode() -> str:
     if os.environ.get("WANDB_API_KEY"):
         return "online"
     netrc = Path(os.environ.get("NETRC", "~/.netrc")).expanduser()
-    return "online" if netrc.is_file() and "api.wandb.ai" in netrc.read_text() else "offline"
+    return "online" if netrc.is_file() and b"api.wandb.ai" in read_bytes_bounded(
+        netrc, MAX_SMALL_FILE_BYTES, ConfigError, f"netrc file {netrc}") else "offline"
 
 
 def _wandb_run(config: TrainConfig, out: Path) -> Optional[object]:
@@ -160,6 +164,6 @@ def _wandb_run(config: TrainConfig, out: Path) -> Optional[object]:
     id_file = out / "wandb_run_id"
     if not id_file.is_file():
         id_file.write_text(uuid.uuid4().hex[:16])
+    run_id = read_bounded(id_file, MAX_SMALL_FILE_BYTES, ConfigError, str(id_file)).strip()
     return wandb.init(project=config.logging.wandb_project, dir=str(out), mode=_wandb_mode(),
-                      id=id_file.read_text().strip(), resume="allow", config=config.to_dict(),
-                      name=out.name)
+                      id=run_id, resume="allow", config=config.to_dict(), name=out.name)

@@ -7,9 +7,11 @@ Output, in Megatron-LM's layout so `--load OUT` finds it: `OUT/latest_checkpoint
 in the checkpoint's common state under `upcycle_recipe`) and `OUT/upcycle_metrics.jsonl` (one
 line per written part: seconds, bytes, MB/s). From a Hugging Face model also
 `OUT/train_config.yaml` (the `model` and `moe` sections of a megamoe training config that builds
-the MoE model, also in the common state under `megamoe_model`) and `OUT/hf_tokenizer/` (the
-model's tokenizer files, which tools/export_hf.py writes back out). Everything is written to a temporary directory
-that is renamed to OUT only when the conversion (and `verify`, if asked) succeeded.
+the MoE model, also in the common state under `megamoe_model`, with continued-pretraining
+settings on the model's own tokenizer: megamoe.upcycle.train_recipe), and in `OUT/release/` the
+tokenizer and the source's config files (megamoe.upcycle.hf_files), which tools/export_hf.py
+writes back out. Everything is written to a temporary directory that is renamed to OUT only when
+the conversion (and `verify`, if asked) succeeded.
 
 Memory: one dense layer, one expert at a time, and one non-layer tensor (e.g. the embedding).
 """
@@ -18,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from tqdm import tqdm
 
 from megamoe.atomic import atomic_directory
 from megamoe.checkpointing.dcp_writer import StreamingCheckpointWriter
-from megamoe.checkpointing.layout import RELEASE, TRACKER
+from megamoe.checkpointing.layout import CONVERTED_MODEL_KEY, RELEASE, TRACKER
 from megamoe.checkpointing.manifest import write_manifest
 from megamoe.checkpointing.readers import open_dense_checkpoint
 from megamoe.checkpointing.sharded_keys import KeyLayout, whole_tensor
@@ -37,15 +38,22 @@ from megamoe.checkpointing.source import DenseSource
 from megamoe.errors import CheckpointError, ConfigError
 from megamoe.paths import refuse_overlap
 from megamoe.upcycle.granular import MLPWeights
+from megamoe.upcycle.hf_files import HFOrigin, carry_hf_files, hf_origin, tokenizer_line
 from megamoe.upcycle.moe_layer import dense_layer_items, layer_dense_mlp, moe_layer_items
 from megamoe.upcycle.recipe import UpcycleRecipe
+from megamoe.upcycle.train_recipe import train_config_text
 
 RECIPE_FILE = "upcycle_recipe.json"
 METRICS_FILE = "upcycle_metrics.jsonl"
 TRAIN_CONFIG_FILE = "train_config.yaml"
-TOKENIZER_DIR = "hf_tokenizer"
-MODEL_SECTIONS_KEY = "megamoe_model"
 VERIFY_TOLERANCE = 1e-4
+# An upcycled router starts untrained: it is balanced by the Switch loss (arXiv 2101.03961) as the
+# sparse-upcycling recipe trains it (Komatsuzaki et al., arXiv 2212.05055).
+UPCYCLED_BALANCING = {"balancing": "aux_loss", "aux_loss_coeff": 1e-2}
+UPCYCLED_BALANCING_NOTES = {
+    "balancing": "the upcycled routers start untrained: the Switch load-balancing loss, as "
+                 "sparse upcycling trains them (arXiv 2212.05055)",
+    "aux_loss_coeff": "the Switch Transformer's weight (arXiv 2101.03961)"}
 # Megatron-LM argument names of the TransformerConfig fields in `megatron_settings`.
 ARG_NAMES = {"num_moe_experts": "num_experts"}
 
@@ -101,8 +109,14 @@ def upcycle_checkpoint(load, save, recipe: UpcycleRecipe, overwrite: bool = Fals
     source = open_dense_checkpoint(load)
     pattern = recipe.layer_pattern(source.num_layers)
     layout = KeyLayout(recipe.resolved_key_layout(), source.num_layers)
+    origin = None
+    if source.format == "hf_safetensors":
+        origin = hf_origin(source.directory, save, "tools/upcycle_ckpt.py",
+                           f"{source.description}, upcycled", source.arch,
+                           {"tool": "megamoe.upcycle", "source": str(load.resolve())},
+                           {"moe": UPCYCLED_BALANCING_NOTES})
     start = time.perf_counter()
-    with atomic_directory(save, overwrite=overwrite) as tmp:
+    with atomic_directory(save, overwrite=overwrite, owner="upcycle_ckpt") as tmp:
         log(f"upcycling {source.description}: {sum(pattern)}/{source.num_layers} layers -> "
             f"{recipe.num_experts} experts (G={recipe.granularity}, top-{recipe.topk}), "
             f"{layout.kind} keys")
@@ -114,34 +128,39 @@ def upcycle_checkpoint(load, save, recipe: UpcycleRecipe, overwrite: bool = Fals
         common = {"checkpoint_version": 3.0, "iteration": 0, "upcycle_recipe": record}
         if source.args is not None:
             common["args"] = _moe_args(source.args, record["megatron_settings"])
-        finish_release(tmp, writer, common, train_sections(source.model_settings, record),
-                       source.side_files)
+        sections = train_sections(source.model_settings, record)
+        if origin is not None:
+            sections["moe"].update(UPCYCLED_BALANCING)
+        finish_release(tmp, writer, common, sections, origin)
         (tmp / RECIPE_FILE).write_text(json.dumps(record, indent=2) + "\n")
         (tmp / METRICS_FILE).write_text("".join(json.dumps(m) + "\n" for m in metrics))
         seconds = time.perf_counter() - start
         log(f"wrote {writer.bytes_written / 2**20:.1f} MiB in {seconds:.1f} s "
             f"({writer.bytes_written / 2**20 / max(seconds, 1e-9):.1f} MiB/s)")
+        if origin is not None:
+            log(tokenizer_line(origin))
         max_diff = _verify(source, checkpoint_dir, record, arch_overrides, log) if verify else None
     return UpcycleResult(save, save / RELEASE, record, writer.bytes_written, seconds,
                          max_diff)
 
 
 def finish_release(tmp: Path, writer: StreamingCheckpointWriter, common: dict,
-                   sections: Optional[dict], side_files: list[Path]) -> None:
-    """Complete a converter's output in Megatron-LM's layout under `tmp`: the checkpoint's common
-    state (with the training config's `model`/`moe` sections, also written as
-    train_config.yaml, when there are any), megamoe's checksum manifest, the tracker, and the
-    Hugging Face tokenizer files in `hf_tokenizer/`."""
+                   sections: Optional[dict], origin: Optional[HFOrigin]) -> None:
+    """Complete a converter's output in Megatron-LM's layout under `tmp`: from a Hugging Face
+    model, its tokenizer and config files in the checkpoint folder (megamoe.upcycle.hf_files)
+    and train_config.yaml (megamoe.upcycle.train_recipe: the training config's `model`/`moe`
+    sections, also in the common state, with continued-pretraining settings); the common state,
+    megamoe's checksum manifest and the tracker."""
+    if origin is not None:
+        common = {**common, **carry_hf_files(origin, tmp / RELEASE)}
     if sections is not None:
-        common = {**common, MODEL_SECTIONS_KEY: sections}
-        (tmp / TRAIN_CONFIG_FILE).write_text(yaml.safe_dump(sections, sort_keys=False))
+        common = {**common, CONVERTED_MODEL_KEY: sections}
+        text = (train_config_text(sections, origin.model) if origin is not None
+                else yaml.safe_dump(sections, sort_keys=False))
+        (tmp / TRAIN_CONFIG_FILE).write_text(text)
     writer.finish(common)
     write_manifest(tmp / RELEASE)
     (tmp / TRACKER).write_text(RELEASE)
-    if side_files:
-        (tmp / TOKENIZER_DIR).mkdir()
-        for path in side_files:
-            shutil.copyfile(path, tmp / TOKENIZER_DIR / path.name)
 
 
 def _write_parts(source: DenseSource, pattern: list[bool], layout: KeyLayout,

@@ -24,7 +24,11 @@ import torch.distributed as dist
 
 STEPS = 4
 RESUME_AT = 2  # the runs that resumes start from checkpoint here; every run at its end
-RESUME_SOURCES = ("tp2_sp", "pp2", "dp2_ep2", "tp2_pp2_ep2")
+RESUME_SOURCES = ("tp2_sp", "pp2", "dp2_ep2", "tp2_pp2_ep2", "vocab_tp1")
+# A vocabulary padded differently at TP1 and TP2 (Megatron-Core pads it to a multiple of
+# make_vocab_size_divisible_by x the tensor-parallel size): the 512 tokens take 528 rows at TP1
+# and 576 at TP2.
+VOCAB = {"model": {"make_vocab_size_divisible_by": 48}}
 
 BASE = {
     "model": {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
@@ -105,11 +109,13 @@ def _init_process_group() -> None:
         dist.init_process_group("gloo", init_method="env://")
 
 
-def train(raw: dict) -> dict:
+def train(raw: dict, snapshot: str = None) -> dict:
     """One training run at `raw`'s layout, as `megamoe.train.loop.run` does it, keeping the
-    model long enough to read every rank's expert biases."""
+    model long enough to read every rank's expert biases; with `snapshot`, the state it starts
+    from (as resumed) is first saved there as a checkpoint of this layout."""
     from megamoe.megatron.runtime import setup_megatron, teardown_megatron
     from megamoe.train import loop
+    from megamoe.train.checkpoint import save_checkpoint
     from megamoe.train.config import config_from_dict
     from megamoe.train.signals import StopRequest
 
@@ -121,6 +127,8 @@ def train(raw: dict) -> dict:
                    expert_model_parallel_size=p.expert, seed=config.training.seed)
     try:
         run = loop._prepare(config, False, False)
+        if snapshot is not None:
+            save_checkpoint(snapshot, run.state, run.model, run.engine, config)
         try:
             loop._train(run, StopRequest())
         finally:
@@ -153,7 +161,8 @@ def resume_folder(source: str, step: int, target: str) -> None:
 
 def job(rank: int, world_size: int, runs: list[dict]) -> dict:
     """Run every entry of `runs` in order: {"name", "raw"} (a config) and optionally
-    "resume_from": (output folder, step) to start from that checkpoint instead."""
+    "resume_from": (output folder, step) to start from that checkpoint instead, and "snapshot"
+    (see `train`)."""
     _init_process_group()
     results = {}
     for entry in runs:
@@ -161,7 +170,7 @@ def job(rank: int, world_size: int, runs: list[dict]) -> dict:
             if rank == 0:
                 resume_folder(*entry["resume_from"], entry["raw"]["output_dir"])
             dist.barrier()
-        results[entry["name"]] = train(entry["raw"])
+        results[entry["name"]] = train(entry["raw"], entry.get("snapshot"))
     return results
 
 
@@ -175,26 +184,32 @@ def final_weights(raw: dict, folder: str) -> dict:
     from megamoe.train.config import config_from_dict
     from megamoe.train.inputs import data_sources
     from megamoe.train.model import build_model, transformer_config
-    from megamoe.train.tokenizer import SentencePieceTokenizer
 
     config = config_from_dict(raw)
     setup_megatron(seed=config.training.seed)
     try:
-        _, tokenizer_model = data_sources(config)
+        _, tokenizer = data_sources(config)
         tc = transformer_config(config, False, False)
-        (model,) = build_model(config, tc, SentencePieceTokenizer(tokenizer_model).vocab_size)
-        load_model_weights(folder, model, config)
+        (model,) = build_model(config, tc, tokenizer.vocab_size)
+        load_model_weights(folder, model, config, tokenizer=tokenizer)
         return {k: v.detach().clone() for k, v in model.state_dict().items()
                 if not k.endswith("_extra_state")}
     finally:
         teardown_megatron()
 
 
-def weights_job(rank: int, world_size: int, runs: list[dict], compare: list[dict]) -> dict:
+def weights_job(rank: int, world_size: int, runs: list[dict], compare: list[dict],
+                vocab_loads: dict = None) -> dict:
     """Run `runs` (as `job`), then load the checkpoint folders of each group of `compare`
     (name -> (raw, folder)) into the single-process model and return the largest difference
-    of every parameter and buffer from the group's first entry's."""
+    of every parameter and buffer from the group's first entry's; and the vocabulary tensors
+    (embedding, output layer) of the single-process model loaded from each of `vocab_loads`
+    (name -> (raw, folder))."""
     results = job(rank, world_size, runs) if runs else {}
+    results["vocab_loads"] = {
+        name: {k: v for k, v in final_weights(raw, folder).items()
+               if k.endswith(("word_embeddings.weight", "output_layer.weight"))}
+        for name, (raw, folder) in (vocab_loads or {}).items()}
     diffs = {}
     for group in compare:
         weights = {name: final_weights(raw, folder) for name, (raw, folder) in group.items()}

@@ -5,17 +5,20 @@ per-step losses and gradient norms, final weights and expert biases within 1e-4 
 biases identical on every rank, and (without pipelining) the held-out evaluation's loss and
 routing. Checkpoints saved at one layout resume at another (TP 2->1,
 PP 2->1->2, EP 2->4, TP2xPP2xEP2 -> one process) with the losses of an uninterrupted run at the
-new layout. Full and selective activation recomputation give the same gradients (norms), weights
-and biases (each token counted once). The model's MLA variant (multi-head latent attention)
-trains at TP2+SP (its up projections recomputed), PP2 and DP2xEP2 as its own one-process
-reference does.
+new layout, and TP 1->2->1 with a vocabulary padded differently at each size (the saved rows
+carried bit for bit, padding rows added or dropped). Full and selective activation recomputation
+give the same gradients (norms), weights and biases (each token counted once). The model's MLA
+variant (multi-head latent attention) trains at TP2+SP (its up projections recomputed), PP2 and
+DP2xEP2 as its own one-process reference does.
 
 Spawns, in order (each imports megatron.core once and runs several layouts): one process
-(references, recompute runs), two (five layouts, first resume legs), four (three
-layouts, EP 2->4), one (resumes at one process, final weights of all), two (PP 1->2).
+(references, recompute runs, the vocabulary's TP1 run), two (five layouts, first resume legs,
+vocabulary TP 1->2), four (three layouts, EP 2->4), one (resumes at one process, vocabulary
+TP 2->1, final weights of all), two (PP 1->2, the vocabulary's TP2 run resumed at TP2).
 """
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -29,6 +32,11 @@ RUN_TIMEOUT_S = 420
 # The first test builds every session fixture (all spawns, ~5 minutes on 2 quiet cores).
 pytestmark = pytest.mark.timeout(1800)
 TIMINGS: dict[str, float] = {}
+VOCAB_HOP = lw.RESUME_AT + 1  # vocab_tp2's checkpoint that the hop back to TP1 starts from
+VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+VOCAB_KEYS = [f"{state}{key}" for key in VOCAB_TENSORS  # with their optimizer states
+              for state in ("", "optimizer.state.param.", "optimizer.state.exp_avg.",
+                            "optimizer.state.exp_avg_sq.")]
 
 
 @pytest.fixture(scope="session")
@@ -73,7 +81,8 @@ def world1a(data, root):
     runs = [{"name": "reference", "raw": _raw(data, root, "reference", {})},
             {"name": "mla_reference", "raw": _raw(data, root, "mla_reference", {}, None, lw.MLA)},
             ] + [{"name": name, "raw": _raw(data, root, name, {}, settings)}
-                 for name, settings in lw.RECOMPUTE.items()] + _layout_runs(data, root, 1)
+                 for name, settings in lw.RECOMPUTE.items()] + _layout_runs(data, root, 1) + [
+        {"name": "vocab_tp1", "raw": _raw(data, root, "vocab_tp1", {}, None, lw.VOCAB)}]
     return _spawn("world1a", 1, lw.job, root, runs=runs)
 
 
@@ -89,7 +98,13 @@ def _layout_runs(data, root, world):
 
 @pytest.fixture(scope="session")
 def world2a(world1a, data, root):
-    return _spawn("world2a", 2, lw.job, root, runs=_layout_runs(data, root, 2))
+    """The layouts of two processes, then vocab_tp1's step-2 checkpoint resumed at TP2 (its
+    vocabulary padded to 576 rows instead of 528), saved as loaded and every step after."""
+    vocab = {"name": "vocab_tp2", "raw": _raw(data, root, "vocab_tp2", {"tensor": 2}, None,
+                                              {**lw.VOCAB, "checkpoint": {"interval": 1}}),
+             "resume_from": (str(root / "vocab_tp1"), lw.RESUME_AT),
+             "snapshot": str(root / "vocab_tp2" / "loaded")}
+    return _spawn("world2a", 2, lw.job, root, runs=_layout_runs(data, root, 2) + [vocab])
 
 
 @pytest.fixture(scope="session")
@@ -103,8 +118,10 @@ def world4(world2a, data, root):
 
 @pytest.fixture(scope="session")
 def world1b(world4, data, root):
-    """Resumes at one process (TP 2->1, PP 2->1 for one step, TP2xPP2xEP2 -> 1), then the
-    final weights of every run against the reference's."""
+    """Resumes at one process (TP 2->1, PP 2->1 for one step, TP2xPP2xEP2 -> 1, and vocab_tp2's
+    step-3 checkpoint, saved as loaded), then the final weights of every run against the
+    reference's, and vocab_tp2's step-3 weights loaded into the one-process model of the
+    tokenizer's vocabulary (576 rows to 528)."""
     runs = [
         {"name": "resume_tp2_to_tp1", "raw": _raw(data, root, "resume_tp2_to_tp1", {}),
          "resume_from": (str(root / "tp2_sp"), lw.RESUME_AT)},
@@ -113,6 +130,9 @@ def world1b(world4, data, root):
          "resume_from": (str(root / "pp2"), lw.RESUME_AT)},
         {"name": "resume_mixed_to_1", "raw": _raw(data, root, "resume_mixed_to_1", {}),
          "resume_from": (str(root / "tp2_pp2_ep2"), lw.RESUME_AT)},
+        {"name": "vocab_back_tp1", "raw": _raw(data, root, "vocab_back_tp1", {}, None, lw.VOCAB),
+         "resume_from": (str(root / "vocab_tp2"), VOCAB_HOP),
+         "snapshot": str(root / "vocab_back_tp1" / "loaded")},
     ]
     groups = [(_raw(data, root, "reference", {}),
                ["reference", *lw.RECOMPUTE, *lw.LAYOUTS, "resume_ep2_to_ep4",
@@ -121,15 +141,22 @@ def world1b(world4, data, root):
                ["mla_reference", *lw.MLA_LAYOUTS])]
     compare = [{name: (reference, str(root / name / "checkpoints")) for name in names}
                for reference, names in groups]
-    return _spawn("world1b", 1, lw.weights_job, root, runs=runs, compare=compare)
+    vocab_loads = {"vocab_tp2_at_tp1": (_raw(data, root, "vocab_tp1", {}, None, lw.VOCAB),
+                                        str(_vocab_checkpoint(root, "vocab_tp2", VOCAB_HOP)))}
+    return _spawn("world1b", 1, lw.weights_job, root, runs=runs, compare=compare,
+                  vocab_loads=vocab_loads)
 
 
 @pytest.fixture(scope="session")
 def world2b(world1b, data, root):
-    """PP 1->2: the PP=1 leg's last checkpoint resumed at PP=2 for the remaining step."""
+    """PP 1->2: the PP=1 leg's last checkpoint resumed at PP=2 for the remaining step; and
+    vocab_tp2's step-3 checkpoint resumed at its own layout."""
     runs = [{"name": "resume_pp1_to_pp2", "raw": _raw(data, root, "resume_pp1_to_pp2",
                                                       {"pipeline": 2}),
-             "resume_from": (str(root / "resume_pp2_to_pp1"), lw.RESUME_AT + 1)}]
+             "resume_from": (str(root / "resume_pp2_to_pp1"), lw.RESUME_AT + 1)},
+            {"name": "vocab_tp2_resumed", "raw": _raw(data, root, "vocab_tp2_resumed",
+                                                      {"tensor": 2}, None, lw.VOCAB),
+             "resume_from": (str(root / "vocab_tp2"), VOCAB_HOP)}]
     return _spawn("world2b", 2, lw.job, root, runs=runs)
 
 
@@ -248,6 +275,57 @@ def test_resharding_resume_continues_the_run(everything, name):
     assert norm_diff <= TOL
     if name in everything[3][0]["weight_diffs"]:
         assert max(everything[3][0]["weight_diffs"][name].values()) <= TOL
+
+
+def _vocab_checkpoint(root, name: str, step: int, folder: str = "checkpoints"):
+    return root / name / folder / f"iter_{step:07d}"
+
+
+def _vocab_tensors(folder) -> dict:
+    """The vocabulary tensors and their optimizer states saved in `folder`, read whole by
+    DCP's own reader (not by Megatron-Core's loader)."""
+    from megamoe.checkpointing.dcp_reader import DCPReader
+
+    reader = DCPReader(folder)
+    return {key: reader.read(key) for key in VOCAB_KEYS}
+
+
+def _assert_rows_carried(saved, loaded, rows: int, what: str) -> None:
+    """`loaded` has `rows` rows: as many of `saved`'s as fit, bit-identical, then zeros."""
+    assert loaded.shape == (rows, saved.shape[1]), (what, loaded.shape)
+    kept = min(rows, len(saved))
+    assert torch.equal(loaded[:kept], saved[:kept]), what
+    assert not loaded[kept:].any(), what
+
+
+def test_vocabulary_padded_for_another_tensor_parallel_size(everything, root):
+    """TP1 -> TP2 -> TP1 with a vocabulary padded to 528 rows at TP1 and 576 at TP2: each hop
+    carries every saved row the new model has room for bit for bit (weights, fp32 main weights
+    and Adam moments), padding rows added are zero and those dropped are gone, and the run goes
+    on: finite losses across the hops, and at the same layout as the uninterrupted run's."""
+    world1a, world2a, _, world1b, world2b = everything
+    tp1 = _vocab_tensors(_vocab_checkpoint(root, "vocab_tp1", lw.RESUME_AT))
+    at_tp2 = _vocab_tensors(_vocab_checkpoint(root, "vocab_tp2", lw.RESUME_AT, "loaded"))
+    tp2 = _vocab_tensors(_vocab_checkpoint(root, "vocab_tp2", VOCAB_HOP))
+    back = _vocab_tensors(_vocab_checkpoint(root, "vocab_back_tp1", VOCAB_HOP, "loaded"))
+    init_from = world1b[0]["vocab_loads"]["vocab_tp2_at_tp1"]
+    assert sorted(init_from) == sorted(VOCAB_TENSORS)
+    for key in VOCAB_KEYS:
+        assert len(tp1[key]) == 528 and len(tp2[key]) == 576, key
+        _assert_rows_carried(tp1[key], at_tp2[key], 576, f"TP1 -> TP2 {key}")
+        # resumed at TP1 the model keeps at least the tokenizer's rows padded for TP1
+        assert len(back[key]) >= 528 and len(back[key]) % 48 == 0, key
+        _assert_rows_carried(tp2[key], back[key], len(back[key]), f"TP2 -> TP1 {key}")
+        if key in init_from:  # the model of the tokenizer's vocabulary, through init_from
+            _assert_rows_carried(tp2[key], init_from[key], 528, f"TP2 -> TP1 init_from {key}")
+    runs = {"vocab_tp1": world1a, "vocab_tp2": world2a, "vocab_back_tp1": world1b,
+            "vocab_tp2_resumed": world2b}
+    got = {name: spawned[0][name] for name, spawned in runs.items()}
+    assert got["vocab_tp2"]["steps"] == [lw.RESUME_AT + 1, lw.STEPS]
+    assert got["vocab_back_tp1"]["steps"] == got["vocab_tp2_resumed"]["steps"] == [lw.STEPS]
+    assert all(math.isfinite(loss) for run in got.values() for loss in run["losses"])
+    assert got["vocab_tp2_resumed"]["losses"] == got["vocab_tp2"]["losses"][-1:]
+    assert got["vocab_tp2_resumed"]["grad_norms"] == got["vocab_tp2"]["grad_norms"][-1:]
 
 
 def test_timings(everything):

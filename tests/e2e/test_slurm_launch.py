@@ -97,3 +97,44 @@ def test_pretrain_script_refuses_bad_use(slurm_env, args, message, monkeypatch):
                           timeout=30)
     assert done.returncode == 2
     assert message in done.stderr and done.stdout == ""
+
+
+def _fake_slurm(tmp_path) -> dict:
+    """An environment whose `scontrol` names one node and whose `srun` records its arguments
+    (one a line) in tmp_path/srun.args instead of starting anything."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho node1\n")
+    (bin_dir / "srun").write_text(f"#!/bin/bash\nprintf '%s\\n' \"$@\" > {tmp_path}/srun.args\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "1234",
+            "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "node1", "HOME": str(tmp_path)}
+
+
+@pytest.mark.parametrize("name, value", [
+    ("NPROC_PER_NODE", "$(touch {marker})"), ("NPROC_PER_NODE", "a[$(touch {marker})]"),
+    ("NPROC_PER_NODE", "0"), ("NPROC_PER_NODE", "-4"), ("NPROC_PER_NODE", "010"),
+    ("SLURM_JOB_ID", "x[$(touch {marker})]"), ("SLURM_CPUS_PER_TASK", "0"),
+    ("RDZV_PORT", "70000"), ("SLURM_GPUS_ON_NODE", "1+1"),
+])
+def test_pretrain_script_refuses_a_number_that_is_not_one(name, value, tmp_path):
+    """A numeric variable that is not a plain integer in range is one line, exit 2, before bash
+    arithmetic evaluates it (a command substitution inside it never runs) and before srun."""
+    marker = tmp_path / "ran"
+    env = {**_fake_slurm(tmp_path), name: value.format(marker=marker)}
+    done = subprocess.run(["bash", str(PRETRAIN_SCRIPT), "configs/x.yaml"], env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"error: {name}=") and len(done.stderr.splitlines()) == 1
+    assert not marker.exists() and not (tmp_path / "srun.args").exists()
+
+
+def test_pretrain_script_passes_valid_numbers_to_torchrun(tmp_path):
+    env = {**_fake_slurm(tmp_path), "NPROC_PER_NODE": "3", "SLURM_CPUS_PER_TASK": "6"}
+    done = subprocess.run(["bash", str(PRETRAIN_SCRIPT), "configs/x.yaml"], env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    args = (tmp_path / "srun.args").read_text().splitlines()
+    assert "--nproc-per-node=3" in args and "--cpus-per-task=6" in args
+    assert "--rdzv-endpoint=node1:21234" in args  # 20000 + job id 1234 % 10000

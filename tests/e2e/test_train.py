@@ -85,7 +85,7 @@ def first_half(corpus_cache, tmp_path_factory) -> Path:
     return out
 
 
-def test_tiny_run_learns_and_logs_everything(reference):
+def test_tiny_run_learns_and_logs_everything(reference, corpus_cache):
     history = records(reference)
     assert [r["step"] for r in history] == list(range(1, STEPS + 1))
     first, last = history[0]["loss"], sum(r["loss"] for r in history[-5:]) / 5
@@ -101,6 +101,14 @@ def test_tiny_run_learns_and_logs_everything(reference):
     checkpoint = reference / "checkpoints" / latest(reference)
     # torch_dist data files are named __<rank>_<writer>.distcp: both ranks wrote their experts
     assert {p.name.split("_")[2] for p in checkpoint.glob("__*_*.distcp")} == {"0", "1"}
+    # it records the tokenizer it trained with (the default corpus's) and holds a copy of it
+    from megamoe.checkpointing.safe_dcp import load_common_state
+    from megamoe.train.corpus import default_dataset_dir
+    from megamoe.train.tokenizer import load_tokenizer
+
+    corpus = load_tokenizer(default_dataset_dir(corpus_cache) / "text_document.model")
+    assert load_common_state(checkpoint)["tokenizer"]["fingerprint"] == corpus.fingerprint
+    assert load_tokenizer(checkpoint / "tokenizer").fingerprint == corpus.fingerprint
     assert list((reference / "tensorboard").glob("events.out.tfevents.*"))
     assert list((reference / "wandb").glob("offline-run-*"))
     assert (reference / "config.yaml").is_file()

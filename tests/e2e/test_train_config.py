@@ -49,6 +49,25 @@ def test_overrides_reach_nested_keys_and_parse_as_yaml():
     assert config.output_dir == "elsewhere"
 
 
+def test_tokenizer_model_is_read_as_tokenizer(tmp_path):
+    """Configs written before data.tokenizer (data.tokenizer_model) train as they did; an
+    override of either name replaces the file's tokenizer."""
+    tiny = CONFIGS[[p.stem for p in CONFIGS].index("tiny_cpu")]
+    config = load_config(tiny, ["data.prefixes=[a]", "data.tokenizer_model=t.model"])
+    assert config.data.tokenizer == "t.model"
+    old = tmp_path / "old.yaml"
+    old.write_text(tiny.read_text() + "\ndata: {prefixes: [a], tokenizer_model: t.model}\n")
+    assert load_config(old).data.tokenizer == "t.model"
+    assert load_config(old, ["data.tokenizer=u.json"]).data.tokenizer == "u.json"
+    assert load_config(old, ["data.tokenizer_model=v.model"]).data.tokenizer == "v.model"
+    both = tmp_path / "both.yaml"
+    both.write_text(tiny.read_text() + "\ndata: {prefixes: [a], tokenizer_model: t.model, "
+                    "tokenizer: u.json}\n")
+    with pytest.raises(ConfigError, match="data.tokenizer_model='t.model' and "
+                       "data.tokenizer='u.json' in .* disagree"):
+        load_config(both)
+
+
 @pytest.mark.parametrize("raw, message", [
     ({"modle": {}}, "unknown config key 'modle' in the config; did you mean 'model"),
     ({"moe": {"num_experts": 8}}, "moe.ffn_hidden_size is missing"),
@@ -56,7 +75,7 @@ def test_overrides_reach_nested_keys_and_parse_as_yaml():
     ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "training": {"train_steps": 0}},
      "training.train_steps=0 must be >= 1"),
     ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "data": {"prefixes": ["x"]}},
-     "data.prefixes and data.tokenizer_model go together"),
+     "data.prefixes needs data.tokenizer"),
     ({"moe": {"num_experts": 8, "ffn_hidden_size": 8, "layer_overrides": {7: {"topk": 1}}}},
      "moe.layer_overrides names layer 7, outside 0..3"),
     ({"moe": {"num_experts": 8, "ffn_hidden_size": 8}, "training": {"precision": "fp8"}},

@@ -115,13 +115,15 @@ def test_folder_without_common_pt_for_init_from_and_upcycler(corpus_cache, tmp_p
 
 
 def test_checkpoint_of_another_model_shape(corpus_cache, trained_run, tmp_path):
-    """Resume and init_from with another hidden size: one line naming the setting."""
+    """Resume with another hidden size, init_from with another dense-layer count (which failed
+    inside Megatron-Core's loader): one line naming the setting, both values and the fix."""
     out = _copy(trained_run, tmp_path)
     done = train(corpus_cache, out, "training.train_steps=4", "model.hidden_size=64")
     assert_one_line_error(done, "model.hidden_size=128", "64")
-    started = train(corpus_cache, tmp_path / "fresh", "model.hidden_size=64",
+    started = train(corpus_cache, tmp_path / "fresh", "model.first_k_dense=2",
                     f"checkpoint.init_from={out / 'checkpoints'}")
-    assert_one_line_error(started, "iter_0000003")
+    assert_one_line_error(started, "iter_0000003", "model.first_k_dense=1",
+                          "config says 2", "set model.first_k_dense=1")
     assert not (tmp_path / "fresh" / "checkpoints").exists()
 
 

@@ -110,7 +110,8 @@ def test_cli_with_existing_tokenizer(prepared, inputs, tmp_path, capsys):
     sp = spm.SentencePieceProcessor(model_file=model)
     ds = IndexedDataset(str(prefix))
     assert [ds[i].tolist() for i in range(len(ds))] == [sp.encode(d) + [sp.eos_id()] for d in docs]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["again.bin", "again.idx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "again.bin", "again.idx", "again.tokenizer-identity.json"]
 
 
 def test_json_key(tmp_path, prepared, capsys):
@@ -241,10 +242,12 @@ def test_ensure_default_dataset_builds_once(tmp_path, monkeypatch):
     monkeypatch.setattr(corpus, "preprocess", must_not_rebuild)
     assert corpus.ensure_default_dataset(tmp_path, vocab_size=512) == (prefix, model)
     assert sorted(p.name for p in Path(prefix).parent.iterdir()) == [
+        ".megamoe-owner",
         "corpus.jsonl",
         "text_document.bin",
         "text_document.idx",
         "text_document.model",
+        "text_document.tokenizer-identity.json",
     ]
 
 

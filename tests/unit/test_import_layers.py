@@ -21,7 +21,7 @@ PACKAGE = REPO / "megamoe"
 # Lowest first. A module belongs to the layer of its longest matching prefix.
 LAYERS = {
     "base": ["megamoe.errors", "megamoe.atomic", "megamoe.bounded", "megamoe.paths",
-             "megamoe.children"],
+             "megamoe.ownership", "megamoe.children"],
     "core": ["megamoe", "megamoe.registry", "megamoe.config", "megamoe.routing",
              "megamoe.balancing", "megamoe.dispatch", "megamoe.experts", "megamoe.parallel",
              "megamoe.layer"],

@@ -115,6 +115,94 @@ def test_export_refuses_dense_first_layers_for_mixtral():
         check_expressible("mixtral", _config(), [False, True, True, True])
 
 
+# ---- the exported config.json and the imported train_config.yaml ---------------------------
+
+def test_a_model_megamoe_made_exports_its_real_context_rope_ids_and_aux_weight():
+    """No source config (trained from scratch): transformers reads the context it was trained
+    for (not max(seq_length, 4096)), its Llama 3 rope scaling with Megatron-Core's constants
+    (Megatron's `_apply_scaling`: factor, 1, 4, 8192), the tokenizer's bos/eos/pad and the
+    weight of its balance loss; DeepSeek-V3 with YaRN the context YaRN extends to."""
+    from transformers import AutoConfig
+
+    from megamoe.interop.hf_config import exported_configs
+
+    config = config_from_dict({
+        "model": {"position_embedding": "rope", "seq_length": 512, "rope_scaling_factor": 8.0,
+                  "num_layers": 2},
+        "moe": {"num_experts": 4, "ffn_hidden_size": 32, "topk": 2, "aux_loss_coeff": 0.02}})
+    ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}
+    out = exported_configs("mixtral", config, [True, True], 4096, "float32", None, ids)
+    read = AutoConfig.for_model(**out.config)
+    assert read.max_position_embeddings == 512 and read.router_aux_loss_coef == 0.02
+    assert (read.bos_token_id, read.eos_token_id, read.pad_token_id) == (1, 2, None)
+    assert read.rope_parameters == {"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 8192}
+    assert json.loads(out.generation) == {"bos_token_id": 1, "eos_token_id": 2}
+    yarn = config_from_dict({
+        "model": {"position_embedding": "rope", "multi_latent_attention": True,
+                  "num_layers": 2, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_head_dim": 16,
+                  "qk_pos_emb_head_dim": 8, "v_head_dim": 16, "seq_length": 128,
+                  "yarn": {"factor": 4.0, "original_max_position_embeddings": 256}},
+        "moe": {"num_experts": 4, "ffn_hidden_size": 32, "topk": 2, "score_function": "sigmoid",
+                "balancing": ["bias", "seq_aux_loss"]}})
+    out = exported_configs("deepseek_v3", yarn, [True, True], 4096, "float32", None, ids)
+    assert AutoConfig.for_model(**out.config).max_position_embeddings == 1024
+
+
+def test_what_the_import_dropped_is_the_one_change_named(tmp_path):
+    """A DeepSeek-V3 imported without its multi-token-prediction layers and exported
+    untrained: the source's config.json with num_nextn_predict_layers 0, named; nothing else."""
+    from transformers import AutoConfig
+
+    from hf_models import ARCHS, BASE
+    from megamoe.checkpointing.hf_moe_arch import read_hf_moe_model
+    from megamoe.interop.hf_config import exported_configs
+
+    kept = tmp_path / "hf_source"
+    AutoConfig.for_model("deepseek_v3", **{**BASE, **ARCHS["deepseek_v3"],
+                                           "num_nextn_predict_layers": 1, "dtype": "float32"}
+                         ).save_pretrained(kept)
+    (kept / "conversion.json").write_text(json.dumps({"dropped_mtp_layers": 1}))
+    model = read_hf_moe_model(kept)
+    out = exported_configs("deepseek_v3", config_from_dict(model.train_sections()),
+                           list(model.moe.pattern), 4096, "float32", kept, {})
+    source = json.loads((kept / "config.json").read_text())
+    assert out.config == {**source, "num_nextn_predict_layers": 0}
+    assert out.changed == {"num_nextn_predict_layers": (1, 0)}
+    assert "num_nextn_predict_layers 1 -> 0" in out.describe()
+
+
+def test_train_config_caps_a_long_context_and_explains_each_choice():
+    """A 32k-context Qwen3-MoE: train_config.yaml loads as a training config, trains at the CPU
+    cap with a comment saying so, on the model's tokenizer and vocabulary, with the source's
+    balancing (global-batch Switch loss, router_aux_loss_coef); every chosen setting has a
+    comment."""
+    import yaml
+
+    from megamoe.upcycle.train_recipe import (CPU_CONTEXT_CAP, ConvertedModel,
+                                              continued_pretraining_settings, train_config_text)
+
+    sections = {"model": {"num_layers": 2, "position_embedding": "rope"},
+                "moe": {"num_experts": 4, "ffn_hidden_size": 32, "topk": 2,
+                        "balancing": "global_aux_loss", "aux_loss_coeff": 0.001}}
+    model = ConvertedModel("tools/import_hf.py", "a model", Path("/out"), 32768, 151936,
+                           Path("/out/release/tokenizer"),
+                           {"moe": {"balancing": "as Qwen3 trained"}})
+    text = train_config_text(sections, model)
+    loaded = yaml.safe_load(text)
+    config = config_from_dict(loaded)
+    assert config.model.seq_length == CPU_CONTEXT_CAP < 32768
+    assert (config.data.tokenizer, config.data.vocab_size) == ("/out/release/tokenizer", 151936)
+    assert config.moe["balancing"] == "global_aux_loss" and config.checkpoint.init_from == "/out"
+    lines = dict(line.strip().split(": ", 1) for line in text.splitlines()
+                 if line.startswith("  "))
+    assert "capped at 512 for the CPU default" in lines["seq_length"]
+    assert lines["balancing"].endswith("# as Qwen3 trained")
+    for section in continued_pretraining_settings(model).values():
+        assert all("  # " in lines[key] for key in section)
+
+
 # ---- bad input: one line, exit code 2, no output ------------------------------------------
 
 def _break(kind: str, hf: Path) -> None:

@@ -10,6 +10,8 @@ Reproduced here from Megatron-LM's sources (not imported: Megatron-LM is not a p
   parameter); GPTModel then gets `config=model_config.transformer`.
 """
 import inspect
+import math
+import os
 
 import pytest
 import torch
@@ -153,3 +155,59 @@ def test_transformer_engine_is_used_when_it_imports():
 
     assert specs._uses_transformer_engine(config, None)
     assert specs.layer_spec.submodules.pre_mlp_layernorm is TENorm
+
+
+PRETRAIN_GPT_WITH_MLA = """
+import os, sys
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer import MLATransformerConfig
+from megatron.core.transformer.spec_utils import import_module
+from megamoe.megatron.cpu import enable_megatron_on_cpu  # CPU for CUDA, not the fallbacks
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0,
+                        world_size=1)
+enable_megatron_on_cpu()
+parallel_state.initialize_model_parallel()
+model_parallel_cuda_manual_seed(1)  # as Megatron-LM's initialize does
+config = MLATransformerConfig(
+    num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=32, num_moe_experts=2,
+    moe_ffn_hidden_size=16, moe_router_topk=2, moe_layer_freq=[0, 1], q_lora_rank=16,
+    kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, rope_type="rope",
+    use_cpu_initialization=True, transformer_impl="local", normalization="RMSNorm",
+    add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0)
+spec = import_module(("megamoe.megatron.specs", sys.argv[1]))
+model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=8,
+                 position_embedding_type="rope", share_embeddings_and_output_weights=False)
+tokens = torch.randint(0, 64, (2, 8))
+mask = torch.ones(1, 1, 8, 8, dtype=torch.bool).triu(1)
+loss = model(tokens, torch.arange(8).expand(2, -1), mask, labels=tokens).mean()
+print("attention", type(model.decoder.layers[0].self_attention).__name__, "loss", float(loss))
+"""
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_spec_builds_latent_attention_without_a_manual_fallback_call(name):
+    """Megatron-LM's `pretrain_gpt.py` on megatron-core 0.16.1 without Transformer Engine imports
+    the spec and builds GPTModel with multi-latent attention, and calls nothing of megamoe's:
+    in a fresh process (no `enable_local_fallbacks()` or `setup_megatron`) the model builds and
+    its loss is finite."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", PRETRAIN_GPT_WITH_MLA, name, str(port)],
+                          cwd=repo, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(repo)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    words = done.stdout.split()
+    assert words[words.index("attention") + 1] == "MLASelfAttention"
+    assert math.isfinite(float(words[words.index("loss") + 1]))

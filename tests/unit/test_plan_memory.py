@@ -163,6 +163,13 @@ def test_json_schema(tool, tmp_path, capsys):
     (["--config", "configs/tiny_cpu.yaml", "--ranks", "4"], "--ranks 4"),
     (["--config", "configs/tiny_cpu.yaml", "--ranks", "3"], "--ranks 3"),
     (["--config", "configs/missing.yaml"], "missing.yaml"),
+    # sizes the planner cannot count: refused before any build (megamoe.plan.limits)
+    (["--config", "configs/tiny_cpu.yaml", "model.seq_length=1000000000000"],
+     "model.seq_length=1000000000000 is beyond what the memory planner counts"),
+    (["--config", "configs/tiny_cpu.yaml", "moe.num_experts=1000000"],
+     "moe.num_experts=1000000 is beyond"),
+    (["--config", "configs/tiny_cpu.yaml", "model.num_layers=8", "model.first_k_dense=0",
+      "moe.num_experts=65536", "parallel.expert=1"], "524,288 routed experts"),
 ])
 def test_cli_errors(tool, tmp_path, capsys, monkeypatch, argv, expected):
     from megamoe.errors import run_cli
@@ -175,3 +182,20 @@ def test_cli_errors(tool, tmp_path, capsys, monkeypatch, argv, expected):
     assert exit_.value.code == 2
     assert err.startswith("error: ") and expected in err and "\n" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_long_sequence_is_planned_without_its_attention_mask(tmp_path):
+    """seq_length 2^16: the CPU causal mask the trainer's engine builds would hold 4 GiB; the
+    planner builds it on the meta device, so the whole plan stays far below that."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", "import resource, runpy, sys; sys.argv = sys.argv[1:]\n"
+         "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+         "finally:\n    print('maxrss_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)",
+         str(REPO / "tools" / "plan_memory.py"), "--config", "configs/tiny_cpu.yaml",
+         "model.seq_length=65536"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    peak_kib = int(done.stdout.rsplit("maxrss_kib", 1)[1])
+    assert peak_kib < 2 * 2**20, peak_kib  # the mask alone: 4 GiB

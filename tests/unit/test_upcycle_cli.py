@@ -86,8 +86,16 @@ def test_existing_output_is_refused_unless_overwrite(ckpts, tmp_path, capsys):
     code, _, err = run(base_args(ckpts["legacy"], save), capsys)
     assert code == 2 and "exists" in err and len(err.strip().splitlines()) == 1
     assert (save / "keep.txt").read_text() == "mine"
+    # --overwrite replaces only the tool's own output: a folder of the user's stays as it was
+    code, _, err = run(base_args(ckpts["legacy"], save, "--overwrite"), capsys)
+    assert code == 2 and "did not write" in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in save.iterdir()) == ["keep.txt"]
+    (save / "keep.txt").unlink()
+    code, _, _ = run(base_args(ckpts["legacy"], save), capsys)
+    assert code == 0 and (save / "release" / ".metadata").exists()
+    (save / "release" / "stale").write_text("from before")
     code, _, _ = run(base_args(ckpts["legacy"], save, "--overwrite"), capsys)
-    assert code == 0 and not (save / "keep.txt").exists()
+    assert code == 0 and not (save / "release" / "stale").exists()
     assert (save / "release" / ".metadata").exists()
 
 

@@ -1,0 +1,81 @@
+"""What the planner can count, checked before it builds anything.
+
+The planner builds each pipeline stage of the real model on the meta device (`shards`): every
+tensor has its true shape, so a size beyond what torch indexes (numel below 2^63) overflows,
+and every routed expert's weights are initialised on their own (about 0.1 ms each on one core),
+so a million experts in each of a few layers would run for many minutes. The settings below are
+bounded so that every tensor of a build stays far below 2^63 elements (the largest product,
+experts x expert FFN x hidden, below 2^58) and one build initialises at most
+`MAX_EXPERT_WEIGHTS` expert weights (well under a minute); each bound is far above any
+published model (DeepSeek-V3: 61 layers, hidden 7168, 256 experts, 58 x 256 expert weights).
+"""
+from __future__ import annotations
+
+from megamoe.config import moe_layer_pattern
+from megamoe.errors import ConfigError
+from megamoe.train.config import TrainConfig
+
+MAX_SIZE = {
+    "model.num_layers": 2**10,
+    "model.hidden_size": 2**20,
+    "model.ffn_hidden_size": 2**22,
+    "model.seq_length": 2**24,
+    "model.num_attention_heads": 2**14,
+    "model.num_query_groups": 2**14,
+    "model.kv_channels": 2**16,
+    "model.q_lora_rank": 2**20,
+    "model.kv_lora_rank": 2**20,
+    "model.qk_head_dim": 2**16,
+    "model.qk_pos_emb_head_dim": 2**16,
+    "model.v_head_dim": 2**16,
+    "data.vocab_size": 2**24,
+    "training.micro_batch_size": 2**12,
+    "moe.num_experts": 2**16,
+    "moe.ffn_hidden_size": 2**22,
+    "moe.shared_expert_ffn_size": 2**22,
+}
+"""The largest value of each size the planner counts."""
+MAX_EXPERT_WEIGHTS = 2**18
+"""Routed experts initialised by one build: MoE layers x experts, summed over the layers."""
+
+
+def _moe_settings(config: TrainConfig) -> list[tuple[str, dict]]:
+    """(setting prefix, settings) of the base `moe` section and of each layer override."""
+    overrides = config.moe.get("layer_overrides") or {}
+    return [("moe", config.moe), *((f"moe.layer_overrides.{layer}", values)
+                                   for layer, values in overrides.items()
+                                   if isinstance(values, dict))]
+
+
+def _sizes(config: TrainConfig) -> list[tuple[str, str, object]]:
+    """(limit name, setting as the user writes it, value) of every bounded size present."""
+    found = []
+    for name in MAX_SIZE:
+        section, field = name.split(".")
+        if section == "moe":
+            found += [(name, f"{prefix}.{field}", values[field])
+                      for prefix, values in _moe_settings(config) if field in values]
+        else:
+            found.append((name, name, getattr(getattr(config, section), field)))
+    return found
+
+
+def _experts(config: TrainConfig, layer: int) -> int:
+    values = {**config.moe, **((config.moe.get("layer_overrides") or {}).get(layer) or {})}
+    return values.get("num_experts", 0)
+
+
+def check_countable(config: TrainConfig) -> None:
+    """A one-line ConfigError, before any build, for a size beyond `MAX_SIZE` or a model
+    whose builds would initialise more than `MAX_EXPERT_WEIGHTS` routed experts."""
+    for name, setting, value in _sizes(config):
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_SIZE[name]:
+            raise ConfigError(f"{setting}={value} is beyond what the memory planner counts "
+                              f"(at most {MAX_SIZE[name]:,}); plan a smaller model")
+    pattern = moe_layer_pattern(config.model, config.model.first_k_dense)
+    experts = sum(_experts(config, layer) for layer, moe in enumerate(pattern) if moe)
+    if experts > MAX_EXPERT_WEIGHTS:
+        raise ConfigError(f"moe.num_experts: {experts:,} routed experts over the MoE layers are "
+                          f"beyond what the memory planner builds (at most "
+                          f"{MAX_EXPERT_WEIGHTS:,}, each initialised on its own); plan fewer "
+                          "experts or layers")

@@ -1,0 +1,244 @@
+"""A released model's tokenizer as Hugging Face ships it: a `tokenizer.json` (the `tokenizers`
+library's serialization), or a model folder holding one or a SentencePiece `tokenizer.model`,
+with `tokenizer_config.json` / `special_tokens_map.json` / `generation_config.json`.
+
+Documents are written as `transformers.AutoTokenizer.from_pretrained(folder)(text)["input_ids"]`
+followed by the end-of-document id, exactly the stream Megatron-LM's `tools/preprocess_data.py
+--tokenizer-type HuggingFaceTokenizer --append-eod` writes: its `HuggingFaceTokenizer.eod` is
+the tokenizer's `eos_token`. So transformers builds the tokenizer (its classes decide the
+pre-tokenizer and whether BOS is added, e.g. `add_bos_token`), but only from the files read here
+within their size limits and copied to a private folder, with `trust_remote_code=False` (no code
+from the folder runs) and without the network; the ids then come from the `tokenizers` backend
+transformers configured, which is what its `__call__` runs.
+
+When the files name no EOS (a `tokenizer.json` alone), the end of document is
+`generation_config.json`'s `eos_token_id` (the first, if a list), else the one special token of
+the vocabulary spelled like an end of text (`END_OF_TEXT_TOKENS`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+from tokenizers import Tokenizer as BackendTokenizer
+
+from megamoe.bounded import decode_utf8, parse_json, read_bytes_bounded
+from megamoe.errors import DataError
+from megamoe.paths import inside
+from megamoe.train.tokenizer.base import Tokenizer, fingerprint
+from megamoe.train.tokenizer.spm import MAX_MODEL_BYTES, load_proto
+
+TOKENIZER_JSON = "tokenizer.json"
+SENTENCEPIECE_MODEL = "tokenizer.model"
+# Files transformers reads besides the vocabulary; generation_config.json only by megamoe (EOD).
+CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                "generation_config.json")
+MODEL_CONFIG = "config.json"  # transformers picks the tokenizer class from its model_type
+MAX_TOKENIZER_BYTES = MAX_MODEL_BYTES  # the largest released tokenizer.json files are ~35 MB
+MAX_CONFIG_BYTES = 16 << 20
+END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<｜end▁of▁sentence｜>",
+                      "<|end▁of▁sentence|>", "<eos>", "<|eos|>", "[EOS]")
+# Spaces, newlines, tabs, special tokens and non-ASCII text: load-time check that the backend
+# alone gives the ids transformers' __call__ gives.
+# The sections of a backend's serialization that decide how text becomes ids (the fingerprint).
+_RULES = ("normalizer", "pre_tokenizer", "model", "post_processor")
+_PROBE = "  Hello\tworld,\n\n naïve café 東京 😀 </s><s> <|endoftext|>x 12345  "
+
+
+def has_hf_files(folder: Path) -> bool:
+    """Whether `folder` holds a tokenizer.json or a tokenizer_config.json."""
+    return any(os.path.lexists(folder / name) for name in (TOKENIZER_JSON, CONFIG_FILES[0]))
+
+
+def _read_folder(folder: Path) -> dict[str, tuple[Path, bytes]]:
+    """name -> (path, bytes) of the tokenizer files present in `folder`, each read within its
+    limit; a folder without tokenizer.json or tokenizer.model is refused."""
+    found = {}
+    for name in (TOKENIZER_JSON, SENTENCEPIECE_MODEL, *CONFIG_FILES, MODEL_CONFIG):
+        path = folder / name
+        if os.path.lexists(path):
+            path = inside(folder, name)  # a link out of the folder is refused
+            limit = MAX_TOKENIZER_BYTES if name in (TOKENIZER_JSON, SENTENCEPIECE_MODEL) \
+                else MAX_CONFIG_BYTES
+            found[name] = (path, read_bytes_bounded(path, limit, DataError,
+                                                    f"tokenizer file {path}"))
+    if TOKENIZER_JSON not in found and SENTENCEPIECE_MODEL not in found:
+        raise DataError(f"tokenizer folder {folder} holds no {TOKENIZER_JSON} or "
+                        f"{SENTENCEPIECE_MODEL}; pass the model folder with its tokenizer files, "
+                        "a tokenizer.json or a SentencePiece .model file")
+    return found
+
+
+def _check_files(files: dict[str, tuple[Path, bytes]]) -> dict[str, Any]:
+    """Refuse, in one line naming the file, what is not what its name says; return the parsed
+    JSON configs."""
+    configs = {}
+    for name, (path, raw) in files.items():
+        if name == TOKENIZER_JSON:
+            text = decode_utf8(raw, DataError, str(path))
+            try:
+                BackendTokenizer.from_str(text)
+            except Exception as err:  # the tokenizers library's parse errors have no common type
+                reason = " ".join(str(err).split())[:160]
+                raise DataError(f"{path} is not a Hugging Face tokenizer.json ({reason}); pass the "
+                                "tokenizer.json a model ships (the tokenizers library's "
+                                "serialization)") from None
+        elif name == SENTENCEPIECE_MODEL:
+            load_proto(raw, path)
+        else:
+            value = parse_json(decode_utf8(raw, DataError, str(path)), DataError, str(path))
+            if not isinstance(value, dict):
+                raise DataError(f"{path} holds a JSON {type(value).__name__}, not an object; "
+                                "restore the file the model ships")
+            configs[name] = value
+    return configs
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' warnings (a tokenizer class that does not match, missing TE) say nothing
+    the user can act on here."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _build(files: dict[str, tuple[Path, bytes]], source: Path):
+    """transformers' tokenizer of `files`, built in a private folder holding only them."""
+    with tempfile.TemporaryDirectory(prefix="megamoe-tokenizer-") as sandbox:
+        for name, (_, raw) in files.items():
+            Path(sandbox, name).write_bytes(raw)
+        with _quiet_transformers():
+            from transformers import AutoTokenizer
+
+            try:
+                return AutoTokenizer.from_pretrained(sandbox, trust_remote_code=False,
+                                                     local_files_only=True)
+            except Exception as err:  # transformers raises many types for a bad folder
+                reason = " ".join(str(err).replace(sandbox, str(source)).split())[:200]
+                raise DataError(f"transformers cannot build the tokenizer of {source} "
+                                f"({reason}); pass a folder whose tokenizer transformers' "
+                                "AutoTokenizer loads without trust_remote_code") from None
+
+
+def _generation_eos(configs: dict[str, Any]) -> int | None:
+    eos = configs.get("generation_config.json", {}).get("eos_token_id")
+    if isinstance(eos, list) and eos:
+        eos = eos[0]
+    return eos if isinstance(eos, int) and not isinstance(eos, bool) and eos >= 0 else None
+
+
+def _end_of_document(hf, backend: BackendTokenizer, configs: dict[str, Any],
+                     source: Path) -> int:
+    if hf.eos_token_id is not None:
+        return int(hf.eos_token_id)
+    eos = _generation_eos(configs)
+    if eos is not None:
+        return eos
+    special = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+    for token in END_OF_TEXT_TOKENS:
+        if token in special:
+            return special[token]
+    raise DataError(f"tokenizer {source} names no end-of-document token (no eos_token in "
+                    "tokenizer_config.json, no eos_token_id in generation_config.json, no "
+                    f"special token among {', '.join(END_OF_TEXT_TOKENS)}); put the model's "
+                    "tokenizer_config.json with its eos_token beside the tokenizer.json")
+
+
+def _plain_backend(serialized: str, split_special_tokens: bool) -> BackendTokenizer:
+    """The backend as transformers' __call__ runs it: no truncation, no padding."""
+    backend = BackendTokenizer.from_str(serialized)
+    backend.no_truncation()
+    backend.no_padding()
+    backend.encode_special_tokens = split_special_tokens
+    return backend
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """A Hugging Face tokenizer: a model folder, or a `tokenizer.json` file on its own."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        source = Path(path)
+        self.path = os.path.abspath(source)
+        if source.is_dir():
+            files = _read_folder(source)
+        else:
+            files = {TOKENIZER_JSON: (source, read_bytes_bounded(
+                source, MAX_TOKENIZER_BYTES, DataError, f"tokenizer file {source}"))}
+        configs = _check_files(files)
+        self.kind = "huggingface" if TOKENIZER_JSON in files else "sentencepiece"
+        self.files = [p for name, (p, _) in files.items() if name != MODEL_CONFIG]
+        model_type = configs.get(MODEL_CONFIG, {}).get("model_type")
+        self.model_type = model_type if isinstance(model_type, str) else None
+        self._hf = hf = _build(files, source)
+        self._serialized = hf.backend_tokenizer.to_str()
+        self._split_special = bool(getattr(hf, "split_special_tokens", False))
+        self._backend = backend = _plain_backend(self._serialized, self._split_special)
+        if backend.encode(_PROBE).ids != hf(_PROBE)["input_ids"]:
+            raise DataError(f"transformers' {type(hf).__name__} for {source} tokenizes beyond "
+                            "its tokenizers backend, which megamoe cannot reproduce; report it "
+                            "with the model's name")
+        vocab = backend.get_vocab(with_added_tokens=True)
+        self.eod = _end_of_document(hf, backend, configs, source)
+        self.bos = -1 if hf.bos_token_id is None else int(hf.bos_token_id)
+        self.pad = -1 if hf.pad_token_id is None else int(hf.pad_token_id)
+        self.add_bos = self.bos >= 0 and backend.encode("").ids[:1] == [self.bos]
+        self.vocab_size = max(max(vocab.values(), default=-1) + 1, len(hf), self.eod + 1)
+        special = {i: t.content for i, t in backend.get_added_tokens_decoder().items()
+                   if t.special}
+        backend_rules = json.loads(self._serialized)
+        self.fingerprint = fingerprint(vocab, special, self.eod, self.bos, self.add_bos,
+                                       self.pad, self.vocab_size,
+                                       {key: backend_rules.get(key) for key in _RULES})
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of `text`, without BOS/EOD (transformers' `add_special_tokens=False`)."""
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: list[str], num_threads: int) -> list[list[int]]:
+        """`tokenize` of each text; the tokenizers library picks its own threads (set
+        RAYON_NUM_THREADS to bound them), so `num_threads` is not used."""
+        return [e.ids for e in self._backend.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """The text of token ids `ids` (transformers' `decode`, special tokens kept)."""
+        return self._hf.decode([int(i) for i in ids])
+
+    def encode_document(self, text: str) -> list[int]:
+        """`AutoTokenizer(text)["input_ids"]` + [eod]."""
+        return self._backend.encode(text).ids + [self.eod]
+
+    def document_encoder(self) -> "HuggingFaceDocuments":
+        """`encode_document` of a batch of texts, picklable for worker processes."""
+        return HuggingFaceDocuments(self._serialized, self._split_special, self.eod)
+
+
+class HuggingFaceDocuments:
+    """Picklable `encode_document` over a batch (the backend is rebuilt in each process from
+    its serialization, once)."""
+
+    def __init__(self, serialized: str, split_special_tokens: bool, eod: int) -> None:
+        self.serialized, self.split_special_tokens, self.eod = (serialized,
+                                                                split_special_tokens, eod)
+        self._backend: BackendTokenizer | None = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_backend": None}
+
+    def __call__(self, texts: Sequence[str]) -> list[list[int]]:
+        if self._backend is None:
+            self._backend = _plain_backend(self.serialized, self.split_special_tokens)
+        return [e.ids + [self.eod] for e in self._backend.encode_batch_fast(list(texts))]

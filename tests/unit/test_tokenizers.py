@@ -1,0 +1,278 @@
+"""Every tokenizer kind a released model ships, through load_tokenizer and tools/preprocess_data.py.
+
+The reference for the ids is transformers' AutoTokenizer on the same folder (what Megatron-LM's
+preprocess_data.py --tokenizer-type HuggingFaceTokenizer --append-eod writes), plus the EOS id
+looked up by its text; the reference for the index format is Megatron-Core's own
+IndexedDatasetBuilder. Tokenizers are built in the test (tests/tiny_tokenizers.py).
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megamoe.errors import DataError, MegaMoEError, run_cli
+from megamoe.train import data_prep
+from megamoe.train.data_prep import preprocess
+from megamoe.train.tokenizer import (copy_tokenizer, identity, load_tokenizer,
+                                     read_dataset_identity)
+from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
+from tiny_tokenizers import (DEEPSEEK_BOS, DEEPSEEK_EOS, save_deepseek_like, save_mixtral_like,
+                             save_qwen_like)
+from tool_modules import tool_module
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI_MAIN = tool_module("preprocess_data").main
+DOCS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "  leading and  double  spaces\n\nand a blank line\n",
+    "naïve café 東京 \U0001f600\ttab",
+    "special tokens in text: <|endoftext|> </s> <s> " + DEEPSEEK_EOS,
+    "",  # no token: left out, as Megatron-LM leaves it out
+    "   ",
+    "x",
+] * 7
+EOS_TEXT = {"qwen": "<|endoftext|>", "qwen-json-only": "<|endoftext|>",
+            "deepseek": DEEPSEEK_EOS, "mixtral": "</s>"}
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tokenizers")
+    return {"qwen": save_qwen_like(root / "qwen"),
+            "qwen-json-only": save_qwen_like(root / "qwen-json-only", config=False),
+            "deepseek": save_deepseek_like(root / "deepseek"),
+            "mixtral": save_mixtral_like(root / "mixtral")}
+
+
+@pytest.fixture(scope="module")
+def jsonl(tmp_path_factory):
+    path = tmp_path_factory.mktemp("inputs") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS)))
+    return path
+
+
+def run(argv, capsys):
+    """Run the CLI in-process; return (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(CLI_MAIN, [str(a) for a in argv] + ["--no-progress"])
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def reference_documents(folder: Path, eos_text: str) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(folder))
+    eod = auto.convert_tokens_to_ids(eos_text)
+    return [auto(d)["input_ids"] + [eod] for d in DOCS if auto(d)["input_ids"]]
+
+
+@pytest.mark.parametrize("kind", list(EOS_TEXT))
+def test_preprocess_writes_autotokenizer_ids_and_eod(kind, tokenizers, jsonl, tmp_path, capsys):
+    prefix = tmp_path / "ds"
+    code, out, err = run(["--input", jsonl, "--output-prefix", prefix,
+                          "--tokenizer", tokenizers[kind], "--workers", 2], capsys)
+    assert code == 0, err
+    expected = reference_documents(tokenizers[kind], EOS_TEXT[kind])
+    ds = IndexedDataset(str(prefix))
+    assert [ds[i].tolist() for i in range(len(ds))] == expected
+    assert re.fullmatch(rf"wrote .*ds\.bin/\.idx: {len(expected)} documents, "
+                        rf"{sum(map(len, expected))} tokens in .*\n", out)
+    # Byte for byte what Megatron-Core's builder writes for these documents.
+    tok = load_tokenizer(tokenizers[kind])
+    builder = IndexedDatasetBuilder(str(tmp_path / "ref.bin"),
+                                    dtype=DType.optimal_dtype(tok.vocab_size))
+    for doc in expected:
+        builder.add_document(np.array(doc), [len(doc)])
+    builder.finalize(str(tmp_path / "ref.idx"))
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"ds{suffix}").read_bytes() == (tmp_path / f"ref{suffix}").read_bytes()
+    assert read_dataset_identity(prefix) == {**identity(tok), "source": tok.path}
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ds")) == [
+        "ds.bin", "ds.idx", "ds.tokenizer-identity.json"]
+
+
+def test_model_rules(tokenizers):
+    """BOS, EOD and pad as each model ships them; pad may equal EOD."""
+    qwen, deepseek, mixtral = (load_tokenizer(tokenizers[k]) for k in ("qwen", "deepseek",
+                                                                         "mixtral"))
+    assert (qwen.kind, qwen.bos, qwen.add_bos, qwen.pad) == ("huggingface", -1, False, qwen.eod)
+    vocab = json.loads((tokenizers["deepseek"] / "tokenizer.json").read_text())["added_tokens"]
+    ids = {t["content"]: t["id"] for t in vocab}
+    assert (deepseek.bos, deepseek.eod, deepseek.pad, deepseek.add_bos) == (
+        ids[DEEPSEEK_BOS], ids[DEEPSEEK_EOS], ids[DEEPSEEK_EOS], True)
+    assert (mixtral.kind, mixtral.bos, mixtral.eod, mixtral.add_bos) == ("sentencepiece", 1, 2,
+                                                                         True)
+    text = "hello world"
+    assert deepseek.encode_document(text) == [deepseek.bos, *deepseek.tokenize(text), deepseek.eod]
+    assert qwen.detokenize(qwen.tokenize(DOCS[2])) == DOCS[2]
+
+
+def test_lone_tokenizer_json_takes_its_end_of_text_token(tokenizers):
+    path = tokenizers["qwen-json-only"] / "tokenizer.json"
+    tok = load_tokenizer(path)
+    added = json.loads(path.read_text())["added_tokens"]
+    assert tok.eod == next(t["id"] for t in added if t["content"] == "<|endoftext|>")
+    assert (tok.bos, tok.pad, tok.files) == (-1, -1, [path])
+
+
+def test_fingerprint_follows_the_vocabulary_not_the_bytes(tokenizers, tmp_path):
+    source = load_tokenizer(tokenizers["deepseek"])
+    copied = copy_tokenizer(source, tmp_path / "copy")
+    assert load_tokenizer(copied).fingerprint == source.fingerprint
+    # Same vocabulary written differently: same fingerprint.
+    spec = json.loads((tokenizers["deepseek"] / "tokenizer.json").read_text())
+    shutil.copytree(tokenizers["deepseek"], tmp_path / "reformatted")
+    (tmp_path / "reformatted" / "tokenizer.json").write_text(json.dumps(spec, indent=7))
+    assert load_tokenizer(tmp_path / "reformatted").fingerprint == source.fingerprint
+    # Two tokens swapping ids, or another end of document: another fingerprint.
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(k for k in vocab if len(k) == 1)[:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    shutil.copytree(tokenizers["deepseek"], tmp_path / "swapped")
+    (tmp_path / "swapped" / "tokenizer.json").write_text(json.dumps(spec))
+    assert load_tokenizer(tmp_path / "swapped").fingerprint != source.fingerprint
+    config = json.loads((tokenizers["qwen"] / "tokenizer_config.json").read_text())
+    shutil.copytree(tokenizers["qwen"], tmp_path / "other-eos")
+    (tmp_path / "other-eos" / "tokenizer_config.json").write_text(
+        json.dumps({**config, "eos_token": "<|im_end|>"}))
+    assert load_tokenizer(tmp_path / "other-eos").fingerprint != load_tokenizer(
+        tokenizers["qwen"]).fingerprint
+
+
+def test_copy_keeps_the_tokenizer_class_the_model_type_chooses(tokenizers, tmp_path):
+    """transformers picks the tokenizer class by the model folder's config.json model_type
+    (a Mixtral folder's tokenizer.model is not read by LlamaTokenizer), and the classes cut
+    some text differently: a copy must tokenize as transformers does in the model folder, and
+    the same files read as another class must not share its fingerprint."""
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "mixtral-model"
+    shutil.copytree(tokenizers["mixtral"], model)
+    (model / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    text = "experts.\n  naïve  x\n\n   y"
+    reference = AutoTokenizer.from_pretrained(model)(text)["input_ids"]
+    source = load_tokenizer(model)
+    copied = load_tokenizer(copy_tokenizer(source, tmp_path / "copy"))
+    assert copied.encode_document(text) == source.encode_document(text) == reference + [2]
+    assert copied.fingerprint == source.fingerprint
+    other_class = load_tokenizer(tokenizers["mixtral"])  # no config.json: LlamaTokenizer
+    assert other_class.encode_document(text) != source.encode_document(text)
+    assert other_class.fingerprint != source.fingerprint
+
+
+def test_tokenizer_file_linked_out_of_its_folder_is_refused(tokenizers, tmp_path):
+    folder = tmp_path / "linked"
+    folder.mkdir()
+    (folder / "tokenizer.json").symlink_to(tokenizers["qwen"] / "tokenizer.json")
+    with pytest.raises(MegaMoEError, match="points outside the folder"):
+        load_tokenizer(folder)
+
+
+def test_blocks_and_workers_keep_the_order(tokenizers, tmp_path, monkeypatch):
+    """Many small blocks over 2 processes write the documents in input order, and a bad line
+    in a later block is named by its line number."""
+    monkeypatch.setattr(data_prep, "BLOCK_BYTES", 200)
+    docs = [f"document {i}: " + "word " * (i % 13) for i in range(300)]
+    src = tmp_path / "many.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(tokenizers["qwen"]))
+    summary = preprocess([src], tmp_path / "many", tokenizer_model=tokenizers["qwen"],
+                         progress=False, num_threads=2)
+    ds = IndexedDataset(str(tmp_path / "many"))
+    assert summary.documents == len(ds) == len(docs)
+    assert [ds[i].tolist() for i in range(len(ds))] == [
+        auto(d)["input_ids"] + [auto.eos_token_id] for d in docs]
+    src.write_text(src.read_text().replace(json.dumps({"text": docs[250]}), '{"text": 250'))
+    with pytest.raises(DataError, match=r"many\.jsonl:251: not valid JSON"):
+        preprocess([src], tmp_path / "bad", tokenizer_model=tokenizers["qwen"], progress=False,
+                   num_threads=2)
+    assert not list(tmp_path.glob("bad*")) and not list(tmp_path.glob(".bad*"))
+
+
+def _bad_tokenizers(root: Path, tokenizers) -> dict:
+    (root / "empty").mkdir(parents=True)
+    (root / "not-a-tokenizer.json").write_text('{"vocab": {"a": 0}}')
+    (root / "garbage.model").write_bytes(b"\x00\x01 not a model")
+    broken = shutil.copytree(tokenizers["qwen"], root / "broken-config")
+    (broken / "tokenizer_config.json").write_text("[1, 2")
+    os.mkfifo(root / "fifo")
+    with open(root / "huge.json", "wb") as f:
+        f.truncate(10 << 30)  # sparse: nothing on disk
+    return {
+        "folder without tokenizer": (root / "empty", "holds no tokenizer.json"),
+        "json that is no tokenizer": (root / "not-a-tokenizer.json",
+                                      "is not a Hugging Face tokenizer.json"),
+        "garbage model": (root / "garbage.model", "is not a SentencePiece model"),
+        "broken config": (broken, r"tokenizer_config\.json: not valid JSON"),
+        "missing": (root / "missing", "cannot read"),
+        "fifo": (root / "fifo", "not a regular file"),
+        "device": (Path("/dev/zero"), "not a regular file"),
+        "10 GB file": (root / "huge.json", "larger than"),
+    }
+
+
+def test_bad_tokenizers_exit_2_without_output(tokenizers, jsonl, tmp_path, capsys):
+    cases = _bad_tokenizers(tmp_path / "bad", tokenizers)
+    out = tmp_path / "out"
+    out.mkdir()
+    for case, (path, message) in cases.items():
+        code, _, err = run(["--input", jsonl, "--output-prefix", out / "ds", "--tokenizer", path],
+                           capsys)
+        assert code == 2, case
+        assert err.count("\n") == 1 and err.startswith("error: ") and re.search(message, err), (
+            case, err)
+        assert list(out.iterdir()) == [], case
+
+
+def test_jsonl_line_without_the_key_exits_2(tokenizers, tmp_path, capsys):
+    src = tmp_path / "nokey.jsonl"
+    src.write_text('{"text": "fine"}\n{"body": "x"}\n')
+    (tmp_path / "out").mkdir()
+    code, _, err = run(["--input", src, "--output-prefix", tmp_path / "out" / "ds",
+                        "--tokenizer", tokenizers["deepseek"], "--workers", 2], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert re.search(r"nokey\.jsonl:2: no string field 'text'", err)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_overlong_record_is_refused_in_bounded_memory(tokenizers, tmp_path, monkeypatch):
+    monkeypatch.setattr(data_prep, "BLOCK_BYTES", 64)
+    monkeypatch.setattr(data_prep, "MAX_RECORD_BYTES", 1000)
+    src = tmp_path / "long.jsonl"
+    src.write_text('{"text": "ok"}\n' + json.dumps({"text": "y" * 5000}) + "\n")
+    with pytest.raises(DataError, match=r"long\.jsonl:2: a line longer than 1,000 bytes"):
+        preprocess([src], tmp_path / "ds", tokenizer_model=tokenizers["qwen"], progress=False,
+                   num_threads=1)
+
+
+def test_dev_zero_tokenizer_is_refused_within_a_few_mib(jsonl, tmp_path):
+    """Peak memory of the whole command over what its imports took (issue 46, item 3)."""
+    script = textwrap.dedent(f"""
+        import resource, sys
+        sys.path.insert(0, {str(ROOT / "tools")!r})
+        import preprocess_data
+        from megamoe.errors import run_cli
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        try:
+            run_cli(preprocess_data.main, ["--input", {str(jsonl)!r}, "--output-prefix",
+                    {str(tmp_path / "ds")!r}, "--tokenizer", "/dev/zero", "--no-progress"])
+        except SystemExit as exit:
+            after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            print(exit.code, (after - before) // 1024)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    code, grown_mib = map(int, done.stdout.split())
+    assert code == 2 and "not a regular file" in done.stderr
+    assert grown_mib <= 4, grown_mib
+    assert list(tmp_path.iterdir()) == []

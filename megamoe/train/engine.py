@@ -35,6 +35,7 @@ from megatron.core.distributed import (
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.optimizer.optimizer import param_group_identifier_keys
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
@@ -183,5 +184,37 @@ class Engine:
                                                      metadata=OPTIMIZER_SHARDING)
 
     def load_optimizer_state_dict(self, loaded: dict) -> None:
+        """Load the optimizer's saved state; its parameter groups keep this run's schedule
+        values (`with_run_schedule`)."""
+        with_run_schedule(loaded, self.optimizer.param_groups)
         with self.device_context():
             self.optimizer.load_state_dict(loaded)
+
+
+# The schedule values Megatron-Core keeps in each parameter group (its ParamGroupOverride), which
+# from megatron-core 0.19 also pair saved groups with the run's. They are settings of the run
+# (optimizer.lr, min_lr, weight decay) that a resume may change, e.g. rewinding past a loss spike
+# at a lower learning rate, as Megatron-LM users do.
+SCHEDULE_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
+
+
+def with_run_schedule(saved: object, run_groups: list[dict]) -> None:
+    """Give every parameter group in the saved optimizer state `saved` (nested as Megatron-Core
+    saves it: any dict holding `param_groups`) the schedule values of the run's group with the
+    same structure (the other keys Megatron-Core pairs groups by), in place."""
+    def structure(group: dict) -> tuple:
+        return tuple(group.get(key) for key in param_group_identifier_keys
+                     if key not in SCHEDULE_KEYS)
+
+    schedules = {structure(group): {key: group[key] for key in SCHEDULE_KEYS if key in group}
+                 for group in run_groups}
+    if isinstance(saved, dict):
+        for group in saved.get("param_groups", ()):
+            if isinstance(group, dict):
+                group.update(schedules.get(structure(group), {}))
+        for value in saved.values():
+            if isinstance(value, (dict, list)):
+                with_run_schedule(value, run_groups)
+    elif isinstance(saved, list):
+        for value in saved:
+            with_run_schedule(value, run_groups)

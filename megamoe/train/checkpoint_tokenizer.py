@@ -25,8 +25,7 @@ from typing import Iterable, Optional
 from megamoe.errors import CheckpointError
 from megamoe.train.checkpoint_schema import saved_tokenizer
 from megamoe.train.config import TrainConfig
-from megamoe.train.tokenizer import Tokenizer, copy_tokenizer, identity
-from megamoe.train.tokenizer import describe_identity
+from megamoe.train.tokenizer import Tokenizer, copy_tokenizer, describe_identity, identity
 
 CHECKPOINT_TOKENIZER_DIR = "tokenizer"
 """The tokenizer's files inside a checkpoint folder (`iter_N/tokenizer/`, `release/tokenizer/`)."""

@@ -20,8 +20,8 @@ from megamoe.train.config import TrainConfig
 from megamoe.train.corpus import ensure_default_dataset
 from megamoe.train.data import Batch, build_gpt_datasets, iterate_batches
 from megamoe.train.indexed_check import check_indexed_dataset
-from megamoe.train.tokenizer import Tokenizer, load_tokenizer, read_dataset_identity
-from megamoe.train.tokenizer import describe_identity
+from megamoe.train.tokenizer import (Tokenizer, describe_identity, load_tokenizer,
+                                     read_dataset_identity)
 
 
 def check_data_tokenizer(prefix: str, tokenizer: Tokenizer) -> None:

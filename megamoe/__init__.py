@@ -17,7 +17,13 @@ logging.getLogger("torch.utils.cpp_extension").addFilter(
 warnings.filterwarnings("ignore", category=SyntaxWarning, module=r".*[\\/]megatron[\\/]")
 
 from megamoe import dispatch, experts, routing  # noqa: E402,F401  (they fill megamoe.registry)
-from megamoe.config import MoEConfig  # noqa: E402
+from megamoe.config import (BalancingConfig, DispatcherConfig, ExpertsConfig,  # noqa: E402
+                            MoEConfig, RouterConfig, SharedExpertConfig)
 from megamoe.errors import CheckpointError, ConfigError, DataError, MegaMoEError  # noqa: E402
+from megamoe.routing import (BaseRouterConfig, SinkhornRouterConfig,  # noqa: E402
+                             ThresholdRouterConfig, TopKRouterConfig, TopPRouterConfig)
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "MegaMoEError", "MoEConfig"]
+__all__ = ["BalancingConfig", "BaseRouterConfig", "CheckpointError", "ConfigError", "DataError",
+           "DispatcherConfig", "ExpertsConfig", "MegaMoEError", "MoEConfig", "RouterConfig",
+           "SharedExpertConfig", "SinkhornRouterConfig", "ThresholdRouterConfig",
+           "TopKRouterConfig", "TopPRouterConfig"]

@@ -1,24 +1,37 @@
-"""MoEConfig: every knob of a megamoe layer in one validated dataclass.
+"""MoEConfig: the settings of a megamoe layer, as a tree of sections owned by their components.
 
-Validation lives in `MoEConfig.__post_init__` (and `check_expert_parallel` for the one check that
-needs the expert-parallel size); every error names the offending value and the fix. The names
-`router_type`, `dispatcher` and `activation` may take come from the registries of
-`megamoe.registry`, which the implementations fill (importing `megamoe` imports them all).
-Megatron-Core's own `moe_*` fields map onto it in the adapter
-(`megamoe.megatron.fields.moe_config_from_transformer_config`).
-`moe_layer_pattern` says which layers of a model are MoE (Megatron's `moe_layer_freq`).
+    MoEConfig
+        hidden_size, num_experts, ffn_hidden_size, topk, init_method_std
+        router:        RouterConfig, its class chosen by `router.kind` (ROUTERS): the common
+                       gate settings here, each router's own in its module (e.g.
+                       `megamoe.routing.threshold.ThresholdRouterConfig`)
+        balancing:     BalancingConfig (loss-free bias, balance losses, z / ERC losses)
+        dispatcher:    DispatcherConfig, `dispatcher.kind` from DISPATCHERS, capacity
+        experts:       ExpertsConfig (the activation)
+        shared_expert: SharedExpertConfig
+
+Every field declares whether it defines the model or how it is trained (`megamoe.settings`),
+which is what a resumed run may change. Each section validates itself in `__post_init__`; a check
+that needs the rest of the layer (top-k against the experts, a router that balances by
+construction) is the section's `check_in(moe)`, which `MoEConfig.__post_init__` calls, so the
+layer never names a router kind. `MoEConfig.from_dict` builds the tree from plain data
+(`megamoe.settings.build`); configs written before the tree (one flat list of 38 fields) are read
+through `FLAT_NAMES` (`nest_flat_settings`). Megatron-Core's `moe_*` fields map onto the tree in
+`megamoe.megatron.fields`. `moe_layer_pattern` says which layers of a model are MoE.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from megamoe.errors import ConfigError
 from megamoe.registry import ACTIVATIONS, DISPATCHERS, ROUTERS
+from megamoe.settings import (build, deep_merge, model_setting, resolve_kind, section,
+                              training_setting)
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 BIAS = "bias"
@@ -30,368 +43,384 @@ ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 @dataclass
-class MoEConfig:
-    hidden_size: int
-    """Model hidden size H (the layer's input and output width)."""
+class RouterConfig:
+    """Settings every router has; a router with settings of its own subclasses this beside its
+    code and registers it (`@ROUTERS.register(name, config=...)`)."""
 
-    num_experts: int
-    """Number of routed experts E in this layer."""
+    kind: Optional[str] = model_setting(None)
+    """The router (`megamoe.routing`): `topk`, `top_p` (dynamic top-p, Huang et al. ACL 2024),
+    `threshold` (expert-threshold routing, arXiv 2603.11535), `sinkhorn` (balanced optimal
+    transport) or `base` (BASE layers, arXiv 2103.16716). None: the one this class configures."""
 
-    ffn_hidden_size: int
-    """Intermediate size of one routed expert (per GLU half for swiglu)."""
-
-    topk: int = 2
-    """Experts per token for the `topk` router; also the nominal K used by capacity planning."""
-
-    router_type: str = "topk"
-    """`topk` (fixed K per token), `top_p` (dynamic top-p, Huang et al. ACL 2024), `threshold`
-    (expert-threshold routing, arXiv 2603.11535), `sinkhorn` (balanced optimal transport) or
-    `base` (BASE layers' balanced assignment, arXiv 2103.16716); see `megamoe.routing`."""
-
-    score_function: str = "softmax"
+    score_function: str = model_setting("softmax")
     """`softmax` or `sigmoid` router scores."""
 
-    pre_softmax: bool = False
+    pre_softmax: bool = model_setting(False)
     """softmax only: gates are the softmax over all experts (True) or renormalised over the chosen
     ones, i.e. softmax after selection (False)."""
 
-    topk_scaling_factor: Optional[float] = None
+    topk_scaling_factor: Optional[float] = model_setting(None)
     """Multiplier on the gate weights (DeepSeek-V3 uses 2.5); None leaves them unscaled."""
 
-    num_groups: Optional[int] = None
-    """Group-limited routing (DeepSeek-V2/V3): split the experts into this many equal groups
-    (devices or nodes). None disables it."""
+    gate_logit_norm: Optional[float] = model_setting(None)
+    """Skywork-MoE gating-logit normalisation (arXiv 2406.06563): z <- lambda * (z - mean(z)) /
+    std(z) per token before the score function, with lambda this value. None disables it."""
 
-    groups_per_token: Optional[int] = None
-    """Group-limited routing: how many groups a token may pick its experts from."""
+    dtype: str = training_setting("fp32")
+    """Precision of the router logits and scores: `fp32` or `fp64`."""
 
-    group_score_topk: Optional[int] = None
-    """Group-limited routing: a group's score is the sum of its this-many best (biased) expert
-    scores (DeepSeek-V3: 2, whatever its top-k). None takes Megatron-Core's rule, topk /
-    groups_per_token, which needs topk to be a multiple of groups_per_token."""
+    input_jitter_eps: Optional[float] = training_setting(None)
+    """Training only: multiply the router's input by noise uniform in [1-eps, 1+eps] (Switch
+    Transformer, arXiv 2101.03961; Megatron's `moe_input_jitter_eps`). None disables it."""
 
-    balancing: Union[str, list[str]] = "aux_loss"
-    """One of, or a list combining: `bias` (loss-free balancing, arXiv 2408.15664),
-    `aux_loss` (Switch loss, arXiv 2101.03961, counts over the micro-batch's whole sequences),
+    def __post_init__(self) -> None:
+        resolve_kind(self, ROUTERS)
+        _check_finite(self, "router")
+        _check_choice("router.score_function", self.score_function, SCORE_FUNCTIONS)
+        _check_choice("router.dtype", self.dtype, tuple(ROUTER_DTYPES))
+        if self.topk_scaling_factor is not None and self.topk_scaling_factor <= 0:
+            raise ConfigError(f"router.topk_scaling_factor={self.topk_scaling_factor} must be "
+                              "> 0; use None to disable it")
+        if self.gate_logit_norm is not None and self.gate_logit_norm <= 0:
+            raise ConfigError(f"router.gate_logit_norm={self.gate_logit_norm} must be > 0; use "
+                              "None to disable it")
+        if self.input_jitter_eps is not None and not 0.0 < self.input_jitter_eps < 1.0:
+            raise ConfigError(f"router.input_jitter_eps={self.input_jitter_eps} is outside "
+                              "(0, 1); use e.g. 1e-2 or None")
+
+    def check_in(self, moe: "MoEConfig") -> None:
+        """Checks against the rest of the layer (`MoEConfig.__post_init__` calls it)."""
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return ROUTER_DTYPES[self.dtype]
+
+    def require_score_function(self, function: str, why: str) -> None:
+        """Refuse a score function other than `function` (`why`: where this router's gates come
+        from)."""
+        if self.score_function != function:
+            raise ConfigError(f"router.score_function={self.score_function!r} with router.kind="
+                              f"{self.kind!r}: {why}; set router.score_function={function!r}")
+
+
+@dataclass
+class BalancingConfig:
+    """How the load is balanced over the experts: loss-free bias, balance losses, and the
+    router's z-loss and ERC loss."""
+
+    methods: Union[str, list[str]] = model_setting("aux_loss")
+    """One of, or a list combining: `bias` (loss-free balancing, arXiv 2408.15664), `aux_loss`
+    (Switch loss, arXiv 2101.03961, counts over the micro-batch's whole sequences),
     `global_aux_loss` (Switch loss with counts over every replica of the router, averaged over
     the step's micro-batches, arXiv 2501.11873), `seq_aux_loss` (per sequence, DeepSeek-V2,
     arXiv 2405.04434), `adaptive_aux_loss` (the Switch loss with Skywork-MoE's per-layer
     coefficient adapted to the layer's token-drop rate, arXiv 2406.06563; its `aux_loss_coeff`
-    is the starting value), or `none`. DeepSeek-V3's recipe is ["bias", "seq_aux_loss"] with
-    aux_loss_coeff 1e-4. The z-loss combines with any."""
+    is the starting value), or `none`. DeepSeek-V3's recipe is [bias, seq_aux_loss] with
+    aux_loss_coeff 1e-4. A model setting: `bias` adds a routing buffer to the model."""
 
-    bias_update_rate: float = 1e-3
-    """Loss-free balancing: step u of `bias += u * sign(mean(c) - c)`."""
-
-    bias_mean_centering: bool = False
-    """Loss-free balancing: subtract the mean of each update so mean(bias) stays 0."""
-
-    aux_loss_coeff: Union[float, list[float]] = 1e-2
-    """Weight of the load-balancing losses in `balancing`: one value for all of them, or a list
-    with one value per loss, in the order of `balancing` (`bias` and `none` take none), as
+    aux_loss_coeff: Union[float, list[float]] = training_setting(1e-2)
+    """Weight of the load-balancing losses in `methods`: one value for all of them, or a list
+    with one value per loss, in the order of `methods` (`bias` and `none` take none), as
     Megatron's `moe_aux_loss_coeff` list."""
 
-    z_loss_coeff: float = 0.0
+    bias_update_rate: float = training_setting(1e-3)
+    """Loss-free balancing: step u of `bias += u * sign(mean(c) - c)`."""
+
+    bias_update_schedule: list[tuple[int, float]] = training_setting(default_factory=list)
+    """Loss-free balancing: [step, rate] pairs, each rate taking over from its step on (steps
+    increasing); before the first, `bias_update_rate`. DeepSeek-V3 (arXiv 2412.19437, §4.2)
+    ran 0.001 and then 0.0 for its last 500B tokens: [[N, 0.0]]."""
+
+    bias_mean_centering: bool = training_setting(False)
+    """Loss-free balancing: subtract the mean of each update so mean(bias) stays 0."""
+
+    z_loss_coeff: float = training_setting(0.0)
     """Weight of the router z-loss (ST-MoE, arXiv 2202.08906); 0 disables it."""
 
-    capacity_factor: Optional[float] = None
-    """Per-expert capacity = ceil(capacity_factor * routed assignments / E), counted per forward
-    call (per rank). None means dropless."""
-
-    drop_policy: str = "probs"
-    """Which tokens an over-full expert keeps: highest gate (`probs`) or earliest (`position`)."""
-
-    activation: str = "swiglu"
-    """Expert activation: `swiglu` (GLU with SiLU), `gelu` or `squared_relu`."""
-
-    shared_expert_ffn_size: Optional[int] = None
-    """Intermediate size of the always-on shared expert; None means no shared expert."""
-
-    shared_expert_gate: bool = False
-    """Scale the shared expert's output by sigmoid(x . w_gate)."""
-
-    top_p_threshold: float = 0.4
-    """top_p router: choose the smallest set of experts whose probability mass reaches p."""
-
-    entropy_loss_coeff: float = 1e-4
-    """top_p router: weight of the entropy ("dynamic") loss that keeps P from flattening."""
-
-    gate_logit_norm: Optional[float] = None
-    """Skywork-MoE gating-logit normalisation (arXiv 2406.06563): z <- lambda * (z - mean(z)) /
-    std(z) per token before the score function, with lambda this value (any router). None
-    disables it."""
-
-    adaptive_aux_decay: float = 0.99
+    adaptive_aux_decay: float = training_setting(0.99)
     """`adaptive_aux_loss`: beta of Skywork-MoE's coefficient update alpha <- beta * alpha +
-    (1 - beta) * xi * d, d the layer's token-drop rate of the step (a knob: the paper's value
-    is not restated here)."""
+    (1 - beta) * xi * d, d the layer's token-drop rate of the step."""
 
-    adaptive_aux_sensitivity: float = 0.1
-    """`adaptive_aux_loss`: xi of that update (the coefficient a drop rate of 100% would
-    settle at; 10% drops settle at 0.1 * xi). The drop rate is measured at `capacity_factor`,
-    or, dropless, as the share of assignments above capacity factor 1."""
+    adaptive_aux_sensitivity: float = training_setting(0.1)
+    """`adaptive_aux_loss`: xi of that update (the coefficient a drop rate of 100% would settle
+    at). The drop rate is measured at `dispatcher.capacity_factor`, or, dropless, as the share of
+    assignments above capacity factor 1."""
 
-    threshold_ema_decay: float = 0.99
-    """`threshold` router: beta of the per-expert threshold EMA (the public code's 0.99; the
-    paper uses 0.999 for long runs)."""
-
-    threshold_warmup_steps: int = 100
-    """`threshold` router: optimizer steps of plain expert-choice routing before the thresholds
-    take over (the paper warms up for about 4k steps of a long run)."""
-
-    threshold_capacity: Optional[float] = 0.5
-    """`threshold` router, training only: each expert takes between (1 - C) and (1 + C) times
-    its mean share N * topk / E of a micro-batch's N tokens (excess dropped by logit, shortfall
-    filled with the next-best tokens). None: no bounds."""
-
-    sinkhorn_tolerance: float = 1e-4
-    """`sinkhorn` router: stop when every expert's share of the transport plan is within this
-    relative tolerance of 1/E."""
-
-    sinkhorn_max_iterations: int = 100
-    """`sinkhorn` router: cap on the Sinkhorn iterations per forward."""
-
-    erc_loss_coeff: float = 0.0
+    erc_loss_coeff: float = training_setting(0.0)
     """Weight of the expert-router coupling loss (arXiv 2512.23447, any router); 0 disables it."""
 
-    erc_noise: float = 0.1
+    erc_noise: float = training_setting(0.1)
     """ERC loss: proxy tokens are the router rows times noise uniform in [1 - eps, 1 + eps]."""
 
-    erc_margin: float = 0.5
+    erc_margin: float = training_setting(0.5)
     """ERC loss: alpha of the hinges max(M[i, j] - alpha M[i, i], 0) (and the transposed one)."""
 
-    router_dtype: str = "fp32"
-    """Precision of the router logits and scores: `fp32` or `fp64`."""
-
-    dispatcher: str = "alltoall"
-    """Token dispatcher across expert-parallel ranks: `alltoall` (sends each token only to the
-    ranks of its experts) or `allgather` (every rank receives all tokens; routing-independent
-    volume, for small expert-parallel groups or many experts per token)."""
-
-    input_jitter_eps: Optional[float] = None
-    """Training only: multiply the router's input by noise uniform in [1-eps, 1+eps] (Switch
-    Transformer, arXiv 2101.03961; Megatron's `moe_input_jitter_eps`). None disables it."""
-
-    init_method_std: float = 0.02
-    """Std of the normal init used when no Megatron init method is given."""
-
     def __post_init__(self) -> None:
-        _check_finite(self)
-        _check_positive(self, "hidden_size", "num_experts", "ffn_hidden_size", "topk")
-        _check_choice(self, "router_type", ROUTERS.names())
-        _check_choice(self, "score_function", SCORE_FUNCTIONS)
-        self._check_balancing()
-        _check_choice(self, "drop_policy", DROP_POLICIES)
-        _check_choice(self, "activation", ACTIVATIONS.names())
-        _check_choice(self, "router_dtype", tuple(ROUTER_DTYPES))
-        _check_choice(self, "dispatcher", DISPATCHERS.names())
-        if self.topk > self.num_experts:
-            raise ConfigError(
-                f"topk={self.topk} exceeds num_experts={self.num_experts}; set topk <= num_experts"
-            )
-        if self.router_type == "top_p" and not 0.0 < self.top_p_threshold <= 1.0:
-            raise ConfigError(
-                f"top_p_threshold={self.top_p_threshold} is outside (0, 1]; pick e.g. 0.4"
-            )
-        if self.router_type == "top_p" and self.score_function != "softmax":
-            raise ConfigError(
-                f"score_function={self.score_function!r} with router_type='top_p': top-p needs a "
-                "probability distribution; set score_function='softmax'"
-            )
-        if self.router_type == "top_p" and self.num_groups is not None:
-            raise ConfigError(
-                f"num_groups={self.num_groups} with router_type='top_p': group limits apply to "
-                "the topk router only; unset num_groups"
-            )
-        self._check_groups()
-        self._check_new_routers()
-        if self.input_jitter_eps is not None and not 0.0 < self.input_jitter_eps < 1.0:
-            raise ConfigError(
-                f"input_jitter_eps={self.input_jitter_eps} is outside (0, 1); use e.g. 1e-2 or None"
-            )
-        if not self.init_method_std > 0:
-            raise ConfigError(f"init_method_std={self.init_method_std} must be > 0; use e.g. 0.02")
-        for name in ("z_loss_coeff", "entropy_loss_coeff", "bias_update_rate"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)} is negative; use a value >= 0")
-        if self.capacity_factor is not None and self.capacity_factor <= 0:
-            raise ConfigError(
-                f"capacity_factor={self.capacity_factor} must be > 0; use None for dropless"
-            )
-        if self.topk_scaling_factor is not None and self.topk_scaling_factor <= 0:
-            raise ConfigError(
-                f"topk_scaling_factor={self.topk_scaling_factor} must be > 0; use None to disable"
-            )
-        if self.shared_expert_ffn_size is not None and self.shared_expert_ffn_size <= 0:
-            raise ConfigError(
-                f"shared_expert_ffn_size={self.shared_expert_ffn_size} must be > 0; use None for "
-                "no shared expert"
-            )
-        if self.shared_expert_gate and self.shared_expert_ffn_size is None:
-            raise ConfigError(
-                "shared_expert_gate=True without a shared expert; set shared_expert_ffn_size"
-            )
-
-    def _check_new_routers(self) -> None:
-        kind = self.router_type
-        if kind in ("threshold", "base") and self.score_function != "sigmoid":
-            raise ConfigError(
-                f"score_function={self.score_function!r} with router_type={kind!r}: its gates are "
-                "sigmoid(logit); set score_function='sigmoid'"
-            )
-        if kind == "sinkhorn" and self.score_function != "softmax":
-            raise ConfigError(
-                f"score_function={self.score_function!r} with router_type='sinkhorn': its gates "
-                "come from the transport plan of exp(logits); set score_function='softmax'"
-            )
-        if kind in ("threshold", "sinkhorn", "base") and self.num_groups is not None:
-            raise ConfigError(
-                f"num_groups={self.num_groups} with router_type={kind!r}: group limits apply to "
-                "the topk router only; unset num_groups"
-            )
-        if kind == "base" and self.topk != 1:
-            raise ConfigError(f"topk={self.topk} with router_type='base': BASE layers send each "
-                              "token to one expert; set topk=1")
-        if kind in ("threshold", "sinkhorn", "base") and self.uses_expert_bias:
-            raise ConfigError(
-                f"balancing includes 'bias' with router_type={kind!r}, which balances by "
-                "construction; drop 'bias' from balancing"
-            )
-        for name in ("threshold_ema_decay", "adaptive_aux_decay"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"{name}={getattr(self, name)} is outside [0, 1); use e.g. 0.99")
-        if self.threshold_capacity is not None and not 0.0 <= self.threshold_capacity < 1.0:
-            raise ConfigError(f"threshold_capacity={self.threshold_capacity} is outside [0, 1); "
-                              "use e.g. 0.5, or None for no bounds")
-        if self.threshold_warmup_steps < 0 or self.sinkhorn_max_iterations < 1:
-            raise ConfigError(
-                f"threshold_warmup_steps={self.threshold_warmup_steps}, sinkhorn_max_iterations="
-                f"{self.sinkhorn_max_iterations}: use >= 0 and >= 1"
-            )
-        if self.gate_logit_norm is not None and self.gate_logit_norm <= 0:
-            raise ConfigError(f"gate_logit_norm={self.gate_logit_norm} must be > 0; use None to "
-                              "disable it")
-        for name in ("sinkhorn_tolerance", "adaptive_aux_sensitivity", "erc_loss_coeff",
-                     "erc_margin"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)} is negative; use a value >= 0")
-        if not 0.0 <= self.erc_noise < 1.0:
-            raise ConfigError(f"erc_noise={self.erc_noise} is outside [0, 1); use e.g. 0.1")
-
-    @property
-    def uses_adaptive_aux(self) -> bool:
-        """True when the router keeps Skywork-MoE's adaptive aux-loss coefficient."""
-        return ADAPTIVE_AUX in self.balancing_kinds
-
-    def _check_balancing(self) -> None:
-        kinds = self.balancing_kinds
+        _check_finite(self, "balancing")
+        kinds = self.kinds
         for kind in kinds:
-            if kind not in BALANCING:
-                raise ConfigError(f"balancing={kind!r} is not one of {list(BALANCING)}")
+            _check_choice("balancing.methods", kind, BALANCING)
         if len(set(kinds)) != len(kinds) or ("none" in kinds and len(kinds) > 1) or not kinds:
-            raise ConfigError(
-                f"balancing={self.balancing!r}: list each method once, and 'none' only alone"
-            )
-        losses = [k for k in kinds if k in BALANCE_LOSSES]
+            raise ConfigError(f"balancing.methods={self.methods!r}: list each method once, and "
+                              "'none' only alone")
+        losses = self.losses
         coeffs = self.aux_loss_coeff
         if isinstance(coeffs, (list, tuple)):
             if len(coeffs) != len(losses):
                 raise ConfigError(
-                    f"aux_loss_coeff={list(coeffs)} has {len(coeffs)} values for the "
-                    f"{len(losses)} losses {losses} in balancing; give one value per loss"
-                )
+                    f"balancing.aux_loss_coeff={list(coeffs)} has {len(coeffs)} values for the "
+                    f"{len(losses)} losses {losses} in balancing.methods; give one per loss")
         else:
             coeffs = [coeffs]
         for value in coeffs:
             if not isinstance(value, (int, float)) or value < 0:
-                raise ConfigError(f"aux_loss_coeff={value!r} is negative; use a value >= 0")
+                raise ConfigError(f"balancing.aux_loss_coeff={value!r} is negative; use a "
+                                  "value >= 0")
+        for name in ("bias_update_rate", "z_loss_coeff", "adaptive_aux_sensitivity",
+                     "erc_loss_coeff", "erc_margin"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"balancing.{name}={getattr(self, name)} is negative; use a "
+                                  "value >= 0")
+        if not 0.0 <= self.adaptive_aux_decay < 1.0:
+            raise ConfigError(f"balancing.adaptive_aux_decay={self.adaptive_aux_decay} is "
+                              "outside [0, 1); use e.g. 0.99")
+        if not 0.0 <= self.erc_noise < 1.0:
+            raise ConfigError(f"balancing.erc_noise={self.erc_noise} is outside [0, 1); use "
+                              "e.g. 0.1")
+        self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        # Lists, not tuples, so the config dumps as plain YAML.
+        self.bias_update_schedule = [list(pair) for pair in self.bias_update_schedule]
+        steps = [step for step, _ in self.bias_update_schedule]
+        rates = [rate for _, rate in self.bias_update_schedule]
+        if (any(step < 0 for step in steps) or steps != sorted(set(steps))
+                or any(not math.isfinite(rate) or rate < 0 for rate in rates)):
+            raise ConfigError(f"balancing.bias_update_schedule={self.bias_update_schedule}: give "
+                              "[step, rate] pairs with increasing steps >= 0 and rates >= 0, "
+                              "e.g. [[9000, 0.0]]")
 
     @property
-    def balancing_kinds(self) -> tuple[str, ...]:
-        """`balancing` as a tuple of method names."""
-        kinds = self.balancing
-        return (kinds,) if isinstance(kinds, str) else tuple(kinds)
+    def kinds(self) -> tuple[str, ...]:
+        """`methods` as a tuple of method names."""
+        methods = self.methods
+        return (methods,) if isinstance(methods, str) else tuple(methods)
+
+    @property
+    def losses(self) -> list[str]:
+        """The balance losses among `methods`, in order."""
+        return [kind for kind in self.kinds if kind in BALANCE_LOSSES]
 
     @property
     def uses_expert_bias(self) -> bool:
         """True when the router keeps a loss-free balancing bias."""
-        return BIAS in self.balancing_kinds
+        return BIAS in self.kinds
 
     @property
-    def balance_loss_coeffs(self) -> dict[str, float]:
+    def uses_adaptive_aux(self) -> bool:
+        """True when the router keeps Skywork-MoE's adaptive aux-loss coefficient."""
+        return ADAPTIVE_AUX in self.kinds
+
+    @property
+    def loss_coeffs(self) -> dict[str, float]:
         """{load-balancing loss name: weight}, only losses with a weight > 0."""
-        losses = [k for k in self.balancing_kinds if k in BALANCE_LOSSES]
-        coeffs = self.aux_loss_coeff
+        losses, coeffs = self.losses, self.aux_loss_coeff
         coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(losses)
         return {k: float(c) for k, c in zip(losses, coeffs) if c > 0 or k == ADAPTIVE_AUX}
 
-    def _check_groups(self) -> None:
-        if (self.num_groups is None) != (self.groups_per_token is None):
-            raise ConfigError(
-                f"num_groups={self.num_groups}, groups_per_token={self.groups_per_token}: "
-                "group-limited routing needs both set (or both None)"
-            )
-        if self.num_groups is None:
-            return
-        if self.num_groups <= 0 or self.num_experts % self.num_groups:
-            raise ConfigError(
-                f"num_groups={self.num_groups} does not divide num_experts={self.num_experts}; "
-                "pick a divisor of num_experts"
-            )
-        if not 0 < self.groups_per_token <= self.num_groups:
-            raise ConfigError(
-                f"groups_per_token={self.groups_per_token} must be in 1..num_groups="
-                f"{self.num_groups}"
-            )
-        if self.group_score_topk is None and self.topk % self.groups_per_token:
-            raise ConfigError(
-                f"topk={self.topk} is not a multiple of groups_per_token={self.groups_per_token}; "
-                "a group is scored by its best topk/groups_per_token experts unless "
-                "group_score_topk says how many"
-            )
-        experts_per_group = self.num_experts // self.num_groups
-        if self.group_score_topk is not None and not (
-                0 < self.group_score_topk <= experts_per_group):
-            raise ConfigError(
-                f"group_score_topk={self.group_score_topk} must be in 1..{experts_per_group} "
-                "(the experts of one group)"
-            )
-        experts_in_chosen_groups = self.groups_per_token * self.num_experts // self.num_groups
-        if self.topk > experts_in_chosen_groups:
-            raise ConfigError(
-                f"topk={self.topk} exceeds the {experts_in_chosen_groups} experts in "
-                f"groups_per_token={self.groups_per_token} groups; raise groups_per_token"
-            )
+    def bias_update_rate_at(self, step: int) -> float:
+        """The bias update rate of optimizer step `step` (`bias_update_schedule`)."""
+        rate = self.bias_update_rate
+        for start, scheduled in self.bias_update_schedule:
+            if step >= start:
+                rate = scheduled
+        return rate
 
-    @property
-    def experts_scoring_a_group(self) -> int:
-        """Group-limited routing: how many of a group's best expert scores add up to its
-        score (`group_score_topk`, else topk / groups_per_token)."""
-        return self.group_score_topk or self.topk // self.groups_per_token
 
-    @property
-    def torch_router_dtype(self) -> torch.dtype:
-        return ROUTER_DTYPES[self.router_dtype]
+@dataclass
+class DispatcherConfig:
+    """How tokens reach their experts' ranks, and how many an expert takes."""
+
+    kind: str = training_setting("alltoall")
+    """Token dispatcher across expert-parallel ranks: `alltoall` (sends each token only to the
+    ranks of its experts) or `allgather` (every rank receives all tokens; routing-independent
+    volume, for small expert-parallel groups or many experts per token)."""
+
+    capacity_factor: Optional[float] = training_setting(None)
+    """Per-expert capacity = ceil(capacity_factor * routed assignments / E), counted per forward
+    call (per rank). None means dropless."""
+
+    drop_policy: str = training_setting("probs")
+    """Which tokens an over-full expert keeps: highest gate (`probs`) or earliest (`position`)."""
+
+    def __post_init__(self) -> None:
+        resolve_kind(self, DISPATCHERS)
+        _check_finite(self, "dispatcher")
+        _check_choice("dispatcher.drop_policy", self.drop_policy, DROP_POLICIES)
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ConfigError(f"dispatcher.capacity_factor={self.capacity_factor} must be > 0; "
+                              "use None for dropless")
+
+    def check_in(self, moe: "MoEConfig") -> None:
+        """Checks against the rest of the layer (none for the built-in dispatchers)."""
+
+
+@dataclass
+class ExpertsConfig:
+    """The routed experts' MLP."""
+
+    activation: str = model_setting("swiglu")
+    """Expert activation: `swiglu` (GLU with SiLU), `gelu` or `squared_relu`."""
+
+    def __post_init__(self) -> None:
+        _check_choice("experts.activation", self.activation, ACTIVATIONS.names())
 
     @property
     def gated(self) -> bool:
         """True when the expert MLP is a GLU (fc1 holds gate and up halves)."""
         return self.activation == "swiglu"
 
+
+@dataclass
+class SharedExpertConfig:
+    """The always-on shared expert (DeepSeekMoE, arXiv 2401.06066)."""
+
+    ffn_hidden_size: Optional[int] = model_setting(None)
+    """Its intermediate size; None means no shared expert."""
+
+    gate: bool = model_setting(False)
+    """Scale the shared expert's output by sigmoid(x . w_gate) (Qwen2-MoE)."""
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is not None and self.ffn_hidden_size <= 0:
+            raise ConfigError(f"shared_expert.ffn_hidden_size={self.ffn_hidden_size} must be "
+                              "> 0; use None for no shared expert")
+        if self.gate and self.ffn_hidden_size is None:
+            raise ConfigError("shared_expert.gate=True without a shared expert; set "
+                              "shared_expert.ffn_hidden_size")
+
+
+@dataclass
+class MoEConfig:
+    """Every setting of a megamoe layer (see the module docstring for the tree)."""
+
+    hidden_size: int = model_setting()
+    """Model hidden size H (the layer's input and output width)."""
+
+    num_experts: int = model_setting()
+    """Number of routed experts E in this layer."""
+
+    ffn_hidden_size: int = model_setting()
+    """Intermediate size of one routed expert (per GLU half for swiglu)."""
+
+    topk: int = model_setting(2)
+    """Experts per token for the `topk` router; also the nominal K of capacity planning."""
+
+    init_method_std: float = training_setting(0.02)
+    """Std of the normal init used when no Megatron init method is given (initialisation only)."""
+
+    router: RouterConfig = section(lambda: ROUTERS.config_class("topk")(), kinds=ROUTERS)
+    balancing: BalancingConfig = section(BalancingConfig)
+    dispatcher: DispatcherConfig = section(DispatcherConfig, kinds=DISPATCHERS)
+    experts: ExpertsConfig = section(ExpertsConfig)
+    shared_expert: SharedExpertConfig = section(SharedExpertConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_experts", "ffn_hidden_size", "topk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if self.topk > self.num_experts:
+            raise ConfigError(f"topk={self.topk} exceeds num_experts={self.num_experts}; set "
+                              "topk <= num_experts")
+        if not (math.isfinite(self.init_method_std) and self.init_method_std > 0):
+            raise ConfigError(f"init_method_std={self.init_method_std} must be > 0; use e.g. "
+                              "0.02")
+        for name in ("router", "balancing", "dispatcher", "experts", "shared_expert"):
+            part = getattr(self, name)
+            check_in = getattr(part, "check_in", None)
+            if check_in is not None:
+                check_in(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str = "in the MoE settings") -> "MoEConfig":
+        """The tree from nested plain data (`megamoe.settings.build`), e.g.
+        {"hidden_size": 64, "num_experts": 8, "ffn_hidden_size": 128,
+         "router": {"kind": "threshold", "ema_decay": 0.9}}."""
+        return build(cls, raw, "moe", where)
+
+    def to_dict(self) -> dict:
+        """Nested plain data that `from_dict` reads back to an equal config."""
+        return dataclasses.asdict(self)
+
+    def merged(self, changes: dict, where: str = "in the MoE settings") -> "MoEConfig":
+        """A validated copy with nested `changes` applied (`megamoe.settings.deep_merge`: a
+        router of another kind replaces the router section)."""
+        return type(self).from_dict(deep_merge(self.to_dict(), changes), where)
+
     def check_expert_parallel(self, ep_size: int) -> None:
         """Raise ConfigError unless the experts split evenly over `ep_size` ranks."""
         if self.num_experts % ep_size:
             raise ConfigError(
                 f"num_experts={self.num_experts} is not divisible by the expert-parallel size "
-                f"{ep_size}; choose an expert-parallel size that divides num_experts"
-            )
+                f"{ep_size}; choose an expert-parallel size that divides num_experts")
 
-    def replace(self, **changes: Any) -> "MoEConfig":
-        """A validated copy with `changes` applied (unknown names raise ConfigError)."""
-        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise ConfigError(f"unknown MoEConfig field(s) {sorted(unknown)}; see megamoe.MoEConfig")
-        return dataclasses.replace(self, **changes)
+
+FLAT_NAMES = {
+    "router_type": "router.kind", "score_function": "router.score_function",
+    "pre_softmax": "router.pre_softmax", "topk_scaling_factor": "router.topk_scaling_factor",
+    "gate_logit_norm": "router.gate_logit_norm", "router_dtype": "router.dtype",
+    "input_jitter_eps": "router.input_jitter_eps", "num_groups": "router.num_groups",
+    "groups_per_token": "router.groups_per_token",
+    "group_score_topk": "router.group_score_topk", "top_p_threshold": "router.threshold",
+    "entropy_loss_coeff": "router.entropy_loss_coeff",
+    "threshold_ema_decay": "router.ema_decay", "threshold_warmup_steps": "router.warmup_steps",
+    "threshold_capacity": "router.capacity", "sinkhorn_tolerance": "router.tolerance",
+    "sinkhorn_max_iterations": "router.max_iterations", "balancing": "balancing.methods",
+    "aux_loss_coeff": "balancing.aux_loss_coeff",
+    "bias_update_rate": "balancing.bias_update_rate",
+    "bias_mean_centering": "balancing.bias_mean_centering",
+    "z_loss_coeff": "balancing.z_loss_coeff",
+    "adaptive_aux_decay": "balancing.adaptive_aux_decay",
+    "adaptive_aux_sensitivity": "balancing.adaptive_aux_sensitivity",
+    "erc_loss_coeff": "balancing.erc_loss_coeff", "erc_noise": "balancing.erc_noise",
+    "erc_margin": "balancing.erc_margin", "dispatcher": "dispatcher.kind",
+    "capacity_factor": "dispatcher.capacity_factor", "drop_policy": "dispatcher.drop_policy",
+    "activation": "experts.activation",
+    "shared_expert_ffn_size": "shared_expert.ffn_hidden_size",
+    "shared_expert_gate": "shared_expert.gate",
+}
+"""The flat MoE settings of configs and checkpoints written before the tree -> their place in
+it. (`balancing` and `dispatcher` are flat only when their value is not a mapping.)"""
+
+
+def is_flat_setting(key: str, value: Any) -> bool:
+    """Whether `key: value` is a setting in the flat form of older configs."""
+    return key in FLAT_NAMES and not (key in ("balancing", "dispatcher")
+                                      and isinstance(value, dict))
+
+
+def nest_flat_settings(raw: dict, note: Optional[Callable[[str, str], None]] = None) -> dict:
+    """`raw` (MoE settings as plain data) with every flat setting of an older config moved to its
+    place in the tree; `note(old, new)` is called for each. A setting given both ways is an
+    error unless the two agree."""
+    nested = {key: value for key, value in raw.items() if not is_flat_setting(key, value)}
+    for key, value in raw.items():
+        if not is_flat_setting(key, value):
+            continue
+        section_name, name = FLAT_NAMES[key].split(".")
+        part = nested.get(section_name, {})
+        if not isinstance(part, dict):
+            raise ConfigError(f"moe.{section_name} must be a mapping of settings, not "
+                              f"{part!r:.60}")
+        if name in part and part[name] != value:
+            raise ConfigError(f"moe.{key}={value!r:.60} and moe.{FLAT_NAMES[key]}="
+                              f"{part[name]!r:.60} disagree; moe.{key} is the older name of "
+                              f"moe.{FLAT_NAMES[key]}: keep only one")
+        nested[section_name] = {**part, name: value}
+        if note is not None:
+            note(key, FLAT_NAMES[key])
+    return nested
 
 
 def moe_layer_pattern(config: Any, first_k_dense: int = 0) -> list[bool]:
@@ -413,21 +442,13 @@ def moe_layer_pattern(config: Any, first_k_dense: int = 0) -> list[bool]:
     return [moe and i >= first_k_dense for i, moe in enumerate(pattern)]
 
 
-def _check_finite(cfg: MoEConfig) -> None:
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
+def _check_finite(settings: Any, prefix: str) -> None:
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
         if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{f.name}={value} must be a finite number")
+            raise ConfigError(f"{prefix}.{f.name}={value} must be a finite number")
 
 
-def _check_positive(cfg: MoEConfig, *names: str) -> None:
-    for name in names:
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"{name}={value!r} must be a positive integer")
-
-
-def _check_choice(cfg: MoEConfig, name: str, choices: tuple[str, ...]) -> None:
-    value = getattr(cfg, name)
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is not one of {list(choices)}")

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from megamoe.balancing.erc import erc_loss
-from megamoe.balancing.losses import (attach_loss, entropy_loss, real_tokens,
-                                     sequence_aux_loss, sequence_counts, switch_aux_loss, z_loss)
+from megamoe.balancing.losses import (attach_loss, real_tokens, sequence_aux_loss,
+                                     sequence_counts, switch_aux_loss, z_loss)
 from megamoe.config import MoEConfig
 from megamoe.dispatch import DISPATCHERS
 from megamoe.experts import GroupedExperts, SharedExpert
@@ -49,7 +49,7 @@ class MoELayer(nn.Module):
         cfg.check_expert_parallel(self.ep_comm.size)
         self.router = self.make_router(cfg, init_method)
         self.router.group_comm = self.ep_comm
-        self.dispatcher = DISPATCHERS[cfg.dispatcher](cfg.num_experts, self.ep_comm)
+        self.dispatcher = DISPATCHERS[cfg.dispatcher.kind](cfg.num_experts, self.ep_comm)
         # Experts on different expert-parallel ranks must start different: seed their init with
         # a draw from the default (CPU) generator, identical on every rank, plus the rank; on
         # the CPU also under a meta device context (the memory planner builds models there).
@@ -59,11 +59,11 @@ class MoELayer(nn.Module):
             self.experts = GroupedExperts(cfg, cfg.num_experts // self.ep_comm.size, init_method,
                                           output_init_method)
         self.shared_experts = (SharedExpert(cfg, init_method, output_init_method)
-                               if cfg.shared_expert_ffn_size else None)
+                               if cfg.shared_expert.ffn_hidden_size else None)
 
     def make_router(self, cfg: MoEConfig, init_method: Optional[Callable]) -> Router:
-        """The router of `cfg.router_type`, from the `ROUTERS` registry."""
-        return ROUTERS[cfg.router_type](cfg, init_method)
+        """The router of `cfg.router.kind`, from the `ROUTERS` registry."""
+        return ROUTERS[cfg.router.kind](cfg, init_method)
 
     def set_layer_number(self, layer_number: int) -> None:
         """Called by Megatron's TransformerLayer with the global 1-based layer number."""
@@ -83,8 +83,9 @@ class MoELayer(nn.Module):
             self.start_counting()
         routing = self.router(x_TD, padding_T)
         losses = self.balance_losses(routing, S, B, counted) if self.training else {}
-        if self.cfg.capacity_factor is not None:
-            routing = apply_capacity(routing, self.cfg.capacity_factor, self.cfg.drop_policy)
+        dispatcher = self.cfg.dispatcher
+        if dispatcher.capacity_factor is not None:
+            routing = apply_capacity(routing, dispatcher.capacity_factor, dispatcher.drop_policy)
         if counted:
             # Metrics hold each loss over the token group (this rank's share times its size).
             self.router.record(routing, {k: v * self.token_comm.size for k, v in losses.items()})
@@ -129,14 +130,14 @@ class MoELayer(nn.Module):
         """Unweighted balance losses of this routing (before capacity drops), each this rank's
         share of the loss over the token group (`megamoe.balancing.losses`). `counted`: this
         forward adds to the step's running global counts (False in recomputation)."""
-        cfg, losses = self.cfg, {}
-        weights = cfg.balance_loss_coeffs
+        cfg, losses = self.cfg.balancing, {}
+        weights = cfg.loss_coeffs
         wants_z = cfg.z_loss_coeff > 0
-        wants_entropy = cfg.router_type == "top_p" and cfg.entropy_loss_coeff > 0
+        wants_own = bool(self.router.loss_coeffs())
         if cfg.erc_loss_coeff > 0:
             losses["erc_loss"] = erc_loss(self.router.weight, self.experts.fc1_weight,
                                           cfg.erc_noise, cfg.erc_margin, self.ep_comm)
-        if not (weights or wants_z or wants_entropy):
+        if not (weights or wants_z or wants_own):
             return losses
         selected_TE = routing.selected_TE
         E = selected_TE.shape[1]
@@ -164,14 +165,13 @@ class MoELayer(nn.Module):
                                                        batch, per_sequence)
         if wants_z:
             losses["z_loss"] = z_loss(routing.logits_TE, selected_TE, num_tokens)
-        if wants_entropy:
-            losses["entropy_loss"] = entropy_loss(routing.probs_TE, selected_TE, num_tokens)
+        losses.update(self.router.own_losses(routing, num_tokens))
         return losses
 
     def _weighted(self, losses: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        coeff = {**self.cfg.balance_loss_coeffs, "z_loss": self.cfg.z_loss_coeff,
-                 "entropy_loss": self.cfg.entropy_loss_coeff,
-                 "erc_loss": self.cfg.erc_loss_coeff}
-        if self.cfg.uses_adaptive_aux:
+        balancing = self.cfg.balancing
+        coeff = {**balancing.loss_coeffs, "z_loss": balancing.z_loss_coeff,
+                 "erc_loss": balancing.erc_loss_coeff, **self.router.loss_coeffs()}
+        if balancing.uses_adaptive_aux:
             coeff["adaptive_aux_loss"] = self.router.adaptive_aux_coeff[0]
         return {name: coeff[name] * value for name, value in losses.items()}

@@ -134,8 +134,9 @@ def bench_dispatcher(args, name, comm, device) -> dict:
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     counting = CountingComm(comm, sync)
-    cfg = MoEConfig(hidden_size=args.hidden, num_experts=args.experts, ffn_hidden_size=args.ffn,
-                    topk=args.topk, balancing="none", dispatcher=name)
+    cfg = MoEConfig.from_dict({"hidden_size": args.hidden, "num_experts": args.experts,
+                               "ffn_hidden_size": args.ffn, "topk": args.topk,
+                               "balancing": {"methods": "none"}, "dispatcher": {"kind": name}})
     torch.manual_seed(0)
     layer = MoELayer(cfg, ep_comm=counting).to(device=device, dtype=DTYPES[args.dtype])
     gen = torch.Generator().manual_seed(1 + comm.rank)

@@ -74,8 +74,9 @@ BASE_CONFIG = {
     # 1024 tokenizer pieces: the output layer would otherwise dominate the step on 2 cores.
     # Sigmoid scores: the gating of the loss-free paper and of DeepSeek-V3; the variants built on
     # a softmax distribution (top-p, Sinkhorn, Skywork) set it themselves.
-    "moe": {"num_experts": 8, "ffn_hidden_size": 64, "topk": 2, "score_function": "sigmoid",
-            "balancing": "aux_loss", "aux_loss_coeff": 1.0e-2},
+    "moe": {"num_experts": 8, "ffn_hidden_size": 64, "topk": 2,
+            "router": {"score_function": "sigmoid"},
+            "balancing": {"methods": "aux_loss", "aux_loss_coeff": 1.0e-2}},
     "data": {"split": "95,5,0", "vocab_size": 1024},
     # 600 steps of 8,192 tokens: the model leaves its early unigram phase (all tokens share one
     # hidden state, so every router sends them to the same experts) around step 100, and a bias
@@ -90,31 +91,33 @@ BASE_CONFIG = {
 QUICK = ["training.train_steps=3",  # `train` expects 3: keep them in step
          "data.vocab_size=4096",  # the default corpus other tests build anyway
          "training.micro_batch_size=4", "training.global_batch_size=8",
-         "evaluation.interval=3", "evaluation.batches=1", "optimizer.warmup_steps=1",
-         "moe.threshold_warmup_steps=1"]
+         "evaluation.interval=3", "evaluation.batches=1", "optimizer.warmup_steps=1"]
+QUICK_BY_ROUTER = {"threshold": ["moe.router.warmup_steps=1"]}
+"""--quick's overrides of a router's own settings, for the variants of that router."""
 
-SHARED = ["moe.shared_expert_ffn_size=64"]
-SOFTMAX = "moe.score_function=softmax"
+SHARED = ["moe.shared_expert.ffn_hidden_size=64"]
+SOFTMAX = "moe.router.score_function=softmax"
+CAPACITY = "moe.dispatcher.capacity_factor=1.0"
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "aux_loss": ("top-2, Switch aux loss 1e-2", []),
-    "bias": ("top-2, loss-free bias (u 1e-3)", ["moe.balancing=bias"]),
+    "bias": ("top-2, loss-free bias (u 1e-3)", ["moe.balancing.methods=bias"]),
     "top_p": ("dynamic top-p 0.4 (softmax), aux 1e-2 + entropy 1e-4",
-              ["moe.router_type=top_p", SOFTMAX]),
+              ["moe.router.kind=top_p", SOFTMAX]),
     "top1_shared": ("top-1 + shared expert, aux loss 1e-2", ["moe.topk=1", *SHARED]),
     "threshold": ("expert threshold (1 expert/token target) + shared expert, no aux loss",
-                  ["moe.router_type=threshold", "moe.topk=1", "moe.balancing=none",
-                   "moe.threshold_warmup_steps=20", *SHARED]),
+                  ["moe.router.kind=threshold", "moe.topk=1", "moe.balancing.methods=none",
+                   "moe.router.warmup_steps=20", *SHARED]),
     "sinkhorn": ("Sinkhorn top-2 (softmax), no aux loss",
-                 ["moe.router_type=sinkhorn", SOFTMAX, "moe.balancing=none"]),
+                 ["moe.router.kind=sinkhorn", SOFTMAX, "moe.balancing.methods=none"]),
     "base": ("BASE layers (balanced top-1), no aux loss",
-             ["moe.router_type=base", "moe.topk=1", "moe.balancing=none"]),
+             ["moe.router.kind=base", "moe.topk=1", "moe.balancing.methods=none"]),
     "aux_capacity": ("top-2 (softmax), aux loss 1e-2, capacity factor 1.0",
-                     [SOFTMAX, "moe.capacity_factor=1.0"]),
+                     [SOFTMAX, CAPACITY]),
     "skywork_norm": ("top-2 (softmax), aux loss 1e-2, capacity 1.0, gating-logit norm lambda=1",
-                     [SOFTMAX, "moe.capacity_factor=1.0", "moe.gate_logit_norm=1.0"]),
+                     [SOFTMAX, CAPACITY, "moe.router.gate_logit_norm=1.0"]),
     "skywork_adaptive": ("top-2 (softmax), adaptive aux loss (from 1e-2), capacity 1.0",
-                         [SOFTMAX, "moe.capacity_factor=1.0", "moe.balancing=adaptive_aux_loss"]),
-    "erc": ("top-2, aux loss 1e-2 + ERC loss 1e-2", ["moe.erc_loss_coeff=1.0e-2"]),
+                         [SOFTMAX, CAPACITY, "moe.balancing.methods=adaptive_aux_loss"]),
+    "erc": ("top-2, aux loss 1e-2 + ERC loss 1e-2", ["moe.balancing.erc_loss_coeff=1.0e-2"]),
 }
 
 
@@ -182,8 +185,9 @@ def train_variants(args: argparse.Namespace, variants: dict, base_config: dict,
     steps = study_steps(args, base_config)
 
     def train(name: str) -> Path | None:
-        return train_run(name, [*variants[name][1], *(QUICK if args.quick else [])], base_yaml,
-                         runs, steps, args.study)
+        overrides = variants[name][1]
+        quick = quick_overrides(overrides) if args.quick else []
+        return train_run(name, [*overrides, *quick], base_yaml, runs, steps, args.study)
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         folders = dict(zip(args.names, pool.map(train, args.names)))
@@ -192,6 +196,13 @@ def train_variants(args: argparse.Namespace, variants: dict, base_config: dict,
         raise SystemExit(1)
     return ({n: f for n, f in folders.items() if f is not None},
             [n for n, f in folders.items() if f is None], steps)
+
+
+def quick_overrides(overrides: list[str]) -> list[str]:
+    """--quick's overrides for a variant with `overrides`: QUICK, plus QUICK_BY_ROUTER's for
+    the router the variant picks (`moe.router.kind=`, else top-k)."""
+    kinds = [o.split("=", 1)[1] for o in overrides if o.startswith("moe.router.kind=")]
+    return [*QUICK, *QUICK_BY_ROUTER.get(kinds[-1] if kinds else "topk", [])]
 
 
 def study_steps(args: argparse.Namespace, base_config: dict) -> int:

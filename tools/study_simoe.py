@@ -316,8 +316,8 @@ def replicate(sizes: dict, seed: int, rates: dict[str, tuple[float, ...]], rank:
                 f"checkpoint.init_from={work / 'upcycled'}", "finetune.method=full",
                 "model.first_k_dense=0", f"moe.num_experts={MOE['experts']}",
                 f"moe.topk={MOE['topk']}", "moe.ffn_hidden_size=384",
-                "moe.score_function=softmax", "moe.balancing=aux_loss",
-                "moe.aux_loss_coeff=1.0e-2"]),
+                "moe.router.score_function=softmax", "moe.balancing.methods=aux_loss",
+                "moe.balancing.aux_loss_coeff=1.0e-2"]),
         }
 
         def tune_at(job: tuple[str, float]):

@@ -43,18 +43,18 @@ PAPER_P = 0.4  # the paper's and its code's threshold
 
 BASE_CONFIG = copy.deepcopy(ROUTING_BASE)
 BASE_CONFIG["model"]["first_k_dense"] = 0
-BASE_CONFIG["moe"].update({"num_experts": 16, "score_function": "softmax", "topk": 2,
-                           "balancing": "aux_loss", "aux_loss_coeff": 1.0e-2})
+BASE_CONFIG["moe"].update({"num_experts": 16, "topk": 2, "router": {"score_function": "softmax"},
+                           "balancing": {"methods": "aux_loss", "aux_loss_coeff": 1.0e-2}})
 # Twice the routing study's 4.9M tokens; evaluated (eval-mode experts per token too) every 100.
 BASE_CONFIG["training"]["train_steps"] = 1200
 BASE_CONFIG["evaluation"]["interval"] = 100
 
-TOP_P = ["moe.router_type=top_p", "moe.entropy_loss_coeff=1.0e-4"]  # the paper's loss weight
+TOP_P = ["moe.router.kind=top_p", "moe.router.entropy_loss_coeff=1.0e-4"]  # the paper's weight
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     "top2": ("softmax top-2, aux 1e-2, dropless (the paper's baseline)", []),
     "top1": ("softmax top-1, aux 1e-2, dropless", ["moe.topk=1"]),
     **{f"top_p{p}": (f"dynamic top-p {p}, aux 1e-2 + entropy 1e-4, dropless",
-                     [*TOP_P, f"moe.top_p_threshold={p}"]) for p in (0.3, 0.4, 0.5)},
+                     [*TOP_P, f"moe.router.threshold={p}"]) for p in (0.3, 0.4, 0.5)},
 }
 
 

@@ -9,13 +9,13 @@ is refused in one line naming the field:
 - Mixtral (Jiang et al., arXiv 2401.04088): softmax top-k, gates renormalised over the chosen
   experts, every layer MoE; a sliding window is refused.
 - Qwen2-MoE / Qwen3-MoE: softmax top-k, renormalised when `norm_topk_prob` (else the softmax over
-  all experts, megamoe's `pre_softmax`); MoE layers where `(i + 1) % decoder_sparse_step == 0`
-  and `i` not in `mlp_only_layers`, dense ones elsewhere; Qwen2-MoE's sigmoid-gated shared
-  expert and QKV biases; Qwen3-MoE's per-head QK norm.
+  all experts, megamoe's `router.pre_softmax`); MoE layers where `(i + 1) %
+  decoder_sparse_step == 0` and `i` not in `mlp_only_layers`, dense ones elsewhere; Qwen2-MoE's
+  sigmoid-gated shared expert and QKV biases; Qwen3-MoE's per-head QK norm.
 - DeepSeek-V3 (arXiv 2412.19437): sigmoid scores, selection by scores plus
   `e_score_correction_bias` (megamoe's loss-free expert bias, arXiv 2408.15664, which keeps
   training from the imported values) within the `topk_group` best of `n_group` groups, each
-  scored by its top-2 biased scores (megamoe's `group_score_topk`), gates renormalised
+  scored by its top-2 biased scores (megamoe's `router.group_score_topk`), gates renormalised
   (`norm_topk_prob`) and scaled by `routed_scaling_factor`; `n_shared_experts` ungated shared
   experts; the first `first_k_dense_replace` layers dense; MLA with low-rank q (`q_lora_rank`,
   or a full q projection when null) and kv (`kv_lora_rank`) projections, RMSNorm on both
@@ -79,34 +79,43 @@ class HFMoE:
     def moe_settings(self) -> dict[str, Any]:
         """The megamoe training config's `moe` section: the routing that reproduces the model,
         and its load balancing as the source model was trained with it (`balancing_notes`)."""
-        balancing: Any = "global_aux_loss" if self.global_batch_balance else "aux_loss"
-        extra = {}
+        balancing: dict[str, Any] = {
+            "methods": "global_aux_loss" if self.global_batch_balance else "aux_loss",
+            "aux_loss_coeff": self.aux_loss_coeff}
         if self.expert_bias:
-            balancing = ["bias", "seq_aux_loss"]
-            extra["bias_update_rate"] = DEEPSEEK_BIAS_UPDATE_RATE
-        return dict(num_experts=self.num_experts, ffn_hidden_size=self.ffn_hidden_size,
-                    topk=self.topk, score_function=self.score_function,
-                    pre_softmax=self.pre_softmax, topk_scaling_factor=self.topk_scaling_factor,
-                    num_groups=self.num_groups, groups_per_token=self.groups_per_token,
-                    group_score_topk=self.group_score_topk,
-                    shared_expert_ffn_size=self.shared_expert_ffn_size,
-                    shared_expert_gate=self.shared_expert_gate, balancing=balancing,
-                    aux_loss_coeff=self.aux_loss_coeff, **extra)
+            balancing.update(methods=["bias", "seq_aux_loss"],
+                             bias_update_rate=DEEPSEEK_BIAS_UPDATE_RATE)
+        return {"num_experts": self.num_experts, "ffn_hidden_size": self.ffn_hidden_size,
+                "topk": self.topk,
+                "router": {"kind": "topk", "score_function": self.score_function,
+                           "pre_softmax": self.pre_softmax,
+                           "topk_scaling_factor": self.topk_scaling_factor,
+                           "num_groups": self.num_groups,
+                           "groups_per_token": self.groups_per_token,
+                           "group_score_topk": self.group_score_topk},
+                "balancing": balancing,
+                "shared_expert": {"ffn_hidden_size": self.shared_expert_ffn_size,
+                                  "gate": self.shared_expert_gate}}
 
     def balancing_notes(self, model_type: str) -> dict[str, str]:
-        """Why each balancing setting of `moe_settings` has its value (one line per key)."""
+        """Why each balancing setting of `moe_settings` has its value (one line per dotted
+        key)."""
         if self.expert_bias:
-            return {"balancing": "as DeepSeek-V3 trained (arXiv 2412.19437, sec. 2.1.2): "
-                                 "loss-free balancing by the expert bias (its "
-                                 "e_score_correction_bias), plus a small sequence-wise loss",
-                    "aux_loss_coeff": "DeepSeek-V3's sequence-wise balance factor alpha",
-                    "bias_update_rate": "DeepSeek-V3's bias update speed gamma (it set 0 for "
-                                        "its last 500B tokens: set 0 to freeze the routing)"}
+            return {"balancing.methods": "as DeepSeek-V3 trained (arXiv 2412.19437, sec. "
+                                         "2.1.2): loss-free balancing by the expert bias (its "
+                                         "e_score_correction_bias), plus a small sequence-wise "
+                                         "loss",
+                    "balancing.aux_loss_coeff": "DeepSeek-V3's sequence-wise balance factor "
+                                                "alpha",
+                    "balancing.bias_update_rate": "DeepSeek-V3's bias update speed gamma (it "
+                                                  "set 0 for its last 500B tokens: set 0 to "
+                                                  "freeze the routing)"}
         kind = ("the Switch loss over the global batch, as Qwen3 trained (arXiv 2505.09388)"
                 if self.global_batch_balance else
                 f"the Switch load-balancing loss (arXiv 2101.03961) {model_type} trains with")
-        return {"balancing": kind,
-                "aux_loss_coeff": "config.json router_aux_loss_coef" if self.aux_from_config
+        return {"balancing.methods": kind,
+                "balancing.aux_loss_coeff": "config.json router_aux_loss_coef"
+                if self.aux_from_config
                 else f"config.json gives no router_aux_loss_coef: megamoe's {DEFAULT_AUX}"}
 
 

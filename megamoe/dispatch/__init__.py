@@ -1,4 +1,4 @@
-"""Token dispatchers, chosen by `MoEConfig.dispatcher` through the `DISPATCHERS` registry
+"""Token dispatchers, chosen by `MoEConfig.dispatcher.kind` through the `DISPATCHERS` registry
 (`megamoe.registry`)."""
 from megamoe.dispatch.allgather import AllGatherDispatcher
 from megamoe.dispatch.alltoall import AllToAllDispatcher

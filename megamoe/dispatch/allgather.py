@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megamoe.config import DispatcherConfig
 from megamoe.dispatch.permute import Permutation, permute, sort_by_expert, unpermute
 from megamoe.parallel.comm import Comm, all_to_all
 from megamoe.registry import DISPATCHERS
@@ -36,7 +37,7 @@ class AllGatherState:
     tokens_per_rank: list[int]
 
 
-@DISPATCHERS.register("allgather")
+@DISPATCHERS.register("allgather", config=DispatcherConfig)
 class AllGatherDispatcher:
     """Dispatch by gathering all tokens on every rank of `comm`; combine by reduce-scatter."""
 

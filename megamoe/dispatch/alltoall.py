@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megamoe.config import DispatcherConfig
 from megamoe.dispatch.permute import Permutation, permute, sort_by_expert, unpermute
 from megamoe.parallel.comm import Comm, all_to_all
 from megamoe.registry import DISPATCHERS
@@ -43,7 +44,7 @@ def expert_major_order(counts_RL: torch.Tensor) -> torch.Tensor:
     return torch.argsort(row_keys_N, stable=True)
 
 
-@DISPATCHERS.register("alltoall")
+@DISPATCHERS.register("alltoall", config=DispatcherConfig)
 class AllToAllDispatcher:
     """Dispatch to the experts of all ranks of `comm` with one all-to-all each way."""
 

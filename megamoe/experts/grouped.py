@@ -136,7 +136,7 @@ class GroupedExperts(nn.Module):
                  init_method: Optional[Callable] = None,
                  output_init_method: Optional[Callable] = None):
         super().__init__()
-        fc1_out = cfg.ffn_hidden_size * (2 if cfg.gated else 1)
+        fc1_out = cfg.ffn_hidden_size * (2 if cfg.experts.gated else 1)
         self.fc1_weight = nn.Parameter(torch.empty(num_local_experts, fc1_out, cfg.hidden_size))
         self.fc2_weight = nn.Parameter(
             torch.empty(num_local_experts, cfg.hidden_size, cfg.ffn_hidden_size))
@@ -151,7 +151,7 @@ class GroupedExperts(nn.Module):
             # optimizer): Megatron's gradient norm counts them on every rank, as it does its own
             # expert weights, which carry these attributes.
             param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
-        self.activation = ACTIVATIONS[cfg.activation]
+        self.activation = ACTIVATIONS[cfg.experts.activation]
 
     @property
     def num_local_experts(self) -> int:

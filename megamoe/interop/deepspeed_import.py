@@ -112,9 +112,10 @@ def _verify(source: DeepSpeedSource, checkpoint_dir: Path, topk: int, activation
         fc1 = converted["mlp.experts.experts.linear_fc1.weight"]
         fc2 = converted["mlp.experts.experts.linear_fc2.weight"]
         E, H, F = fc1.shape[0], fc1.shape[2], fc2.shape[2]
-        ours = MoELayer(MoEConfig(hidden_size=H, num_experts=E, ffn_hidden_size=F, topk=topk,
-                                  pre_softmax=topk == 1, activation=activation,
-                                  balancing="none", dispatcher="alltoall")).eval()
+        ours = MoELayer(MoEConfig.from_dict({
+            "hidden_size": H, "num_experts": E, "ffn_hidden_size": F, "topk": topk,
+            "router": {"pre_softmax": topk == 1}, "balancing": {"methods": "none"},
+            "dispatcher": {"kind": "alltoall"}, "experts": {"activation": activation}})).eval()
         ours.load_state_dict({"router.weight": converted["mlp.router.weight"],
                               "experts.fc1_weight": fc1, "experts.fc2_weight": fc2})
         theirs = deepspeed_moe_layer(H, F, E, topk, activation).eval()

@@ -84,18 +84,18 @@ def generated_config(arch: str, config, pattern: list[bool], vocab_size: int, co
                                   **LLAMA3_ROPE}
     if arch == "deepseek_v3":
         return {**common, **_deepseek_v3_config(config, pattern, mtp_layers)}
-    aux = next(iter(moe.balance_loss_coeffs.values()), 0.0)
+    aux = next(iter(moe.balancing.loss_coeffs.values()), 0.0)
     if arch == "mixtral":
         return {**common, "intermediate_size": moe.ffn_hidden_size,
                 "num_local_experts": moe.num_experts, "sliding_window": None,
                 "router_aux_loss_coef": aux}
     qwen = {**common, "intermediate_size": m.ffn_hidden_size,
             "moe_intermediate_size": moe.ffn_hidden_size, "num_experts": moe.num_experts,
-            "norm_topk_prob": not moe.pre_softmax, "decoder_sparse_step": 1,
+            "norm_topk_prob": not moe.router.pre_softmax, "decoder_sparse_step": 1,
             "mlp_only_layers": [i for i, is_moe in enumerate(pattern) if not is_moe],
             "use_sliding_window": False, "router_aux_loss_coef": aux}
     if arch == "qwen2_moe":
-        return {**qwen, "shared_expert_intermediate_size": moe.shared_expert_ffn_size,
+        return {**qwen, "shared_expert_intermediate_size": moe.shared_expert.ffn_hidden_size,
                 "qkv_bias": True}
     return {**qwen, "attention_bias": m.add_qkv_bias}
 
@@ -103,13 +103,14 @@ def generated_config(arch: str, config, pattern: list[bool], vocab_size: int, co
 def _deepseek_v3_config(config, pattern: list[bool], mtp_layers: int) -> dict:
     """DeepSeek-V3's own config.json fields (on top of the common ones)."""
     m, moe = config.model, config.moe_config()
+    router = moe.router
     fields = dict(
         num_key_value_heads=m.num_attention_heads, head_dim=m.qk_pos_emb_head_dim,
         intermediate_size=m.ffn_hidden_size, moe_intermediate_size=moe.ffn_hidden_size,
         n_routed_experts=moe.num_experts,
-        n_shared_experts=(moe.shared_expert_ffn_size or 0) // moe.ffn_hidden_size,
-        routed_scaling_factor=moe.topk_scaling_factor or 1.0, n_group=moe.num_groups or 1,
-        topk_group=moe.groups_per_token or 1, norm_topk_prob=True,
+        n_shared_experts=(moe.shared_expert.ffn_hidden_size or 0) // moe.ffn_hidden_size,
+        routed_scaling_factor=router.topk_scaling_factor or 1.0, n_group=router.num_groups or 1,
+        topk_group=router.groups_per_token or 1, norm_topk_prob=True,
         first_k_dense_replace=pattern.index(True), q_lora_rank=m.q_lora_rank,
         kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_head_dim,
         qk_rope_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim, rope_interleave=True,

@@ -45,7 +45,6 @@ from megamoe.checkpointing.hf_arch import HFArch, read_config_json
 from megamoe.checkpointing.hf_moe_arch import DEEPSEEK_GROUP_SCORE_TOPK
 from megamoe.checkpointing.hf_moe_source import MLA_NAMES
 from megamoe.checkpointing.hf_source import split_qkv
-from megamoe.checkpointing.layout import CONVERTED_MODEL_KEY
 from megamoe.checkpointing.safetensors_io import ShardedSafetensorsWriter
 from megamoe.config import moe_layer_pattern
 from megamoe.errors import CheckpointError, ConfigError
@@ -71,11 +70,12 @@ class ExportResult:
 
 
 def _model_sections(common: dict, folder: Path) -> dict:
-    for key in ("config", CONVERTED_MODEL_KEY):
-        sections = common.get(key)
-        if isinstance(sections, dict) and isinstance(sections.get("model"), dict) \
-                and isinstance(sections.get("moe"), dict):
-            return {"model": sections["model"], "moe": sections["moe"]}
+    from megamoe.train.checkpoint_shapes import recorded_sections
+
+    sections = recorded_sections(common, folder)
+    if isinstance(sections, dict) and isinstance(sections.get("model"), dict) \
+            and isinstance(sections.get("moe"), dict):
+        return {"model": sections["model"], "moe": sections["moe"]}
     raise CheckpointError(f"{folder} records no megamoe model settings (neither a megamoe "
                           "training checkpoint nor tools/upcycle_ckpt.py output from a Hugging "
                           "Face model); export needs one of those")
@@ -88,7 +88,7 @@ def default_arch(config) -> str:
         return "deepseek_v3"
     if config.model.qk_layernorm:
         return "qwen3_moe"
-    if config.moe_config().shared_expert_ffn_size:
+    if config.moe_config().shared_expert.ffn_hidden_size:
         return "qwen2_moe"
     return "mixtral"
 
@@ -102,15 +102,16 @@ def check_expressible(arch: str, config, pattern: list[bool]) -> None:
 
     if arch not in ARCHS:
         raise ConfigError(f"--arch {arch!r} is not one of {list(ARCHS)}")
-    if config.moe["layer_overrides"]:
+    if config.moe.layer_overrides:
         refuse("per-layer MoE overrides (moe.layer_overrides)", "export a uniform MoE model")
-    if moe.router_type != "topk":
-        refuse(f"router_type={moe.router_type!r} (only top-k)", "train with topk")
-    if moe.capacity_factor is not None:
-        refuse(f"capacity_factor={moe.capacity_factor} (token dropping; Hugging Face MoE "
-               "blocks are dropless)", "train dropless (moe.capacity_factor=null)")
-    if moe.activation != "swiglu" or not m.swiglu:
-        refuse(f"activation {moe.activation!r} (only SwiGLU)", "train with SwiGLU")
+    if moe.router.kind != "topk":
+        refuse(f"router.kind={moe.router.kind!r} (only top-k)", "train with moe.router.kind=topk")
+    if moe.dispatcher.capacity_factor is not None:
+        refuse(f"dispatcher.capacity_factor={moe.dispatcher.capacity_factor} (token dropping; "
+               "Hugging Face MoE blocks are dropless)",
+               "train dropless (moe.dispatcher.capacity_factor=null)")
+    if moe.experts.activation != "swiglu" or not m.swiglu:
+        refuse(f"activation {moe.experts.activation!r} (only SwiGLU)", "train with SwiGLU")
     if m.normalization != "RMSNorm" or m.position_embedding != "rope":
         refuse(f"normalization={m.normalization} / position_embedding={m.position_embedding} "
                "(only RMSNorm and RoPE)", "train a Llama-shaped model")
@@ -125,18 +126,21 @@ def _check_deepseek_v3(refuse: Callable[[str, str], None], config, pattern: list
     if not m.multi_latent_attention:
         refuse("grouped-query attention (DeepSeek-V3 has multi-head latent attention)",
                "use mixtral, qwen2_moe or qwen3_moe")
-    if moe.score_function != "sigmoid" or moe.topk < 2:
-        refuse(f"score_function={moe.score_function!r} with topk={moe.topk} (DeepSeek-V3 "
-               "renormalises top-k sigmoid gates, k >= 2)", "use mixtral, qwen2_moe or qwen3_moe")
-    if moe.num_groups and moe.experts_scoring_a_group != DEEPSEEK_GROUP_SCORE_TOPK:
-        refuse(f"groups scored by their top {moe.experts_scoring_a_group} experts "
+    router = moe.router
+    if router.score_function != "sigmoid" or moe.topk < 2:
+        refuse(f"router.score_function={router.score_function!r} with topk={moe.topk} "
+               "(DeepSeek-V3 renormalises top-k sigmoid gates, k >= 2)",
+               "use mixtral, qwen2_moe or qwen3_moe")
+    scoring = router.num_groups and router.experts_scoring_a_group(moe.topk)
+    if scoring and scoring != DEEPSEEK_GROUP_SCORE_TOPK:
+        refuse(f"groups scored by their top {scoring} experts "
                f"(DeepSeek-V3 scores by the top {DEEPSEEK_GROUP_SCORE_TOPK})",
-               f"train with moe.group_score_topk={DEEPSEEK_GROUP_SCORE_TOPK}")
-    shared = moe.shared_expert_ffn_size or 0
-    if moe.shared_expert_gate or shared % moe.ffn_hidden_size:
-        refuse(f"a shared expert of size {shared} (gate {moe.shared_expert_gate}; DeepSeek-V3 "
+               f"train with moe.router.group_score_topk={DEEPSEEK_GROUP_SCORE_TOPK}")
+    shared = moe.shared_expert.ffn_hidden_size or 0
+    if moe.shared_expert.gate or shared % moe.ffn_hidden_size:
+        refuse(f"a shared expert of size {shared} (gate {moe.shared_expert.gate}; DeepSeek-V3 "
                "has ungated shared experts of whole expert sizes)",
-               "train with moe.shared_expert_gate=false and a multiple of moe.ffn_hidden_size")
+               "train with moe.shared_expert.gate=false and a multiple of moe.ffn_hidden_size")
     first_moe = pattern.index(True)
     if not all(pattern[first_moe:]):
         refuse("dense layers after the first MoE layer (DeepSeek-V3 has only leading dense "
@@ -148,28 +152,29 @@ def _check_softmax_family(arch: str, refuse: Callable[[str, str], None], config,
     m, moe = config.model, config.moe_config()
     if m.multi_latent_attention:
         refuse("multi-head latent attention", "use deepseek_v3")
-    if moe.score_function != "softmax":
-        refuse(f"score_function={moe.score_function!r} routing (only softmax)",
-               "train with moe.score_function=softmax, or use deepseek_v3")
-    if moe.num_groups or moe.groups_per_token:
-        refuse("group-limited routing (moe.num_groups)", "train without group limits, or use "
-               "deepseek_v3")
-    if moe.topk_scaling_factor not in (None, 1.0):
-        refuse(f"topk_scaling_factor={moe.topk_scaling_factor}", "train without it, or use "
-               "deepseek_v3")
+    router = moe.router
+    if router.score_function != "softmax":
+        refuse(f"router.score_function={router.score_function!r} routing (only softmax)",
+               "train with moe.router.score_function=softmax, or use deepseek_v3")
+    if router.num_groups or router.groups_per_token:
+        refuse("group-limited routing (moe.router.num_groups)", "train without group limits, "
+               "or use deepseek_v3")
+    if router.topk_scaling_factor not in (None, 1.0):
+        refuse(f"router.topk_scaling_factor={router.topk_scaling_factor}", "train without it, "
+               "or use deepseek_v3")
     if arch == "mixtral":
-        if moe.pre_softmax and moe.topk > 1:
-            refuse("gates without renormalisation (moe.pre_softmax=true)", "use qwen2_moe or "
-                   "qwen3_moe (norm_topk_prob=false)")
+        if router.pre_softmax and moe.topk > 1:
+            refuse("gates without renormalisation (moe.router.pre_softmax=true)", "use qwen2_moe "
+                   "or qwen3_moe (norm_topk_prob=false)")
         if not all(pattern):
             refuse("dense layers between MoE layers (Mixtral has none)",
                    "use qwen2_moe or qwen3_moe (mlp_only_layers)")
         if m.add_qkv_bias:
             refuse("QKV biases", "use qwen2_moe")
-    shared = moe.shared_expert_ffn_size
+    shared = moe.shared_expert.ffn_hidden_size
     if arch in ("mixtral", "qwen3_moe") and shared:
         refuse("a shared expert", "use qwen2_moe (shared expert with gate)")
-    if arch == "qwen2_moe" and not (shared and moe.shared_expert_gate):
+    if arch == "qwen2_moe" and not (shared and moe.shared_expert.gate):
         refuse("an MoE layer without a gated shared expert (Qwen2-MoE always has one)",
                "use mixtral or qwen3_moe")
     if (arch == "qwen3_moe") != m.qk_layernorm:
@@ -238,8 +243,8 @@ class _LayerMapper:
         elif bias is not None and bool(bias.abs().max() > 0):
             raise ConfigError(f"--arch {self.arch} cannot express the expert bias of layer "
                               f"{index} (loss-free balancing steers selection; max |bias| "
-                              f"{float(bias.abs().max()):.3g}); train without moe.balancing=bias"
-                              ", or use deepseek_v3")
+                              f"{float(bias.abs().max()):.3g}); train without 'bias' in "
+                              "moe.balancing.methods, or use deepseek_v3")
         yield p + self.moe_prefix + "gate.weight", router
         for e, (fc1, fc2) in enumerate(_experts(mg, index)):
             yield from self._mlp(f"{p}{self.moe_prefix}experts.{e}.", self.expert_names, fc1,

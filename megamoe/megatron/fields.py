@@ -1,8 +1,10 @@
 """What megamoe does with every `moe_*` field of Megatron-Core's TransformerConfig.
 
 Each field is in exactly one class:
-- HONOURED: read by `moe_config_from_transformer_config`, by the specs (`moe_layer_freq`) or by
-  Megatron's own training loop around megamoe layers (logging, the aux-loss scale).
+- HONOURED: mapped onto the MoEConfig tree by `LINKS` (the one table, read both ways:
+  `moe_config_from_transformer_config` and `transformer_config_settings`), read by the specs
+  (`moe_layer_freq`) or by Megatron's own training loop around megamoe layers (logging, the
+  aux-loss scale).
 - NO_EFFECT: kernel, fusion, overlap or flex-dispatcher tuning; megamoe computes the same
   function with its own kernels, so any value is accepted.
 - REFUSED: a behaviour megamoe does not implement; any value but the field's default raises a
@@ -13,29 +15,16 @@ holds its default, so a new Megatron setting is never silently dropped.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch.nn.functional as F
+from megatron.core.activations import squared_relu
 
-from megamoe.config import BALANCE_LOSSES, BIAS, MoEConfig
+from megamoe.balancing.owner import StepOwner
+from megamoe.config import BALANCE_LOSSES, BIAS, BalancingConfig, MoEConfig
 from megamoe.errors import ConfigError
 from megamoe.registry import DISPATCHERS
-
-HONOURED = frozenset({
-    "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk", "moe_router_score_function",
-    "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups",
-    "moe_router_group_topk", "moe_router_dtype", "moe_router_enable_expert_bias",
-    "moe_router_bias_update_rate", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
-    "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_expert_capacity_factor",
-    "moe_token_drop_policy", "moe_token_dispatcher_type", "moe_shared_expert_intermediate_size",
-    "moe_shared_expert_gate",
-    # Read by Megatron-LM's logging (megamoe saves per-layer values to Megatron's tracker) and by
-    # its pipeline schedules (the MoEAuxLossAutoScaler scale, which megamoe's losses use).
-    "moe_per_layer_logging", "moe_grad_scale_func",
-    # Megatron-Core turns it into selective recompute of "moe" (recompute_modules), which
-    # MegatronMoELayer.forward honours.
-    "moe_layer_recompute",
-})
+from megamoe.settings import deep_merge
 
 NO_EFFECT = frozenset({
     "moe_grouped_gemm", "moe_use_legacy_grouped_gemm", "moe_permute_fusion", "moe_router_fusion",
@@ -129,8 +118,147 @@ def check_megatron_fields(tc: Any) -> None:
         )
 
 
-def moe_config_from_transformer_config(tc: Any, **overrides: Any) -> MoEConfig:
-    """Build from a Megatron-Core TransformerConfig's `moe_*` fields, then apply `overrides`.
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """Megatron-Core TransformerConfig fields <-> places in the MoEConfig tree.
+
+    to_tree(*megatron values) -> {tree path: value} (a path left out keeps MoEConfig's default);
+    to_megatron(*tree values) -> {field: value}. `host`: Megatron-Core itself acts on the field
+    in a model whose MoE layers are megamoe's (the layer pattern, the optimizer and checkpoint
+    layout, the expert-bias update and global aux-loss reset of finalize_model_grads), so a
+    TransformerConfig written from an MoEConfig carries it; the other fields configure only
+    Megatron's own router, dispatcher and experts, which such a model never builds."""
+
+    megatron: tuple[str, ...]
+    tree: tuple[str, ...]
+    to_tree: Callable[..., dict]
+    to_megatron: Callable[..., dict]
+    host: bool = False
+
+
+def _same(megatron: str, path: str, host: bool = False, off: Any = None) -> Link:
+    """A field holding the tree's value as is; `off`: the tree's value for Megatron's None."""
+    def to_tree(value: Any) -> dict:
+        return {path: off if value is None else value}
+
+    def to_megatron(value: Any) -> dict:
+        return {megatron: None if off is not None and value == off else value}
+
+    return Link((megatron,), (path,), to_tree, to_megatron, host)
+
+
+def _balancing_to_tree(kinds: Any, coeffs: Any, expert_bias: bool) -> dict:
+    """balancing.methods and aux_loss_coeff from Megatron's load-balancing type(s),
+    coefficient(s) and expert-bias flag. A loss whose coefficient is 0 is off, as in Megatron's
+    router; `moe_router_enable_expert_bias` adds `bias`."""
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)
+    if len(coeffs) != len(kinds):
+        raise ConfigError(
+            f"moe_aux_loss_coeff={coeffs} has {len(coeffs)} values for "
+            f"moe_router_load_balancing_type={kinds}; give one coefficient per type"
+        )
+    methods, weights = [], []
+    for kind, coeff in zip(kinds, coeffs):
+        if kind == "none":
+            continue
+        if kind not in BALANCE_LOSSES:
+            raise ConfigError(
+                f"moe_router_load_balancing_type={kind!r} is not supported by megamoe; use "
+                f"{list(BALANCE_LOSSES) + ['none']} and/or --moe-router-enable-expert-bias"
+            )
+        if coeff > 0:
+            methods.append(kind)
+            weights.append(float(coeff))
+    if expert_bias:
+        methods.insert(0, BIAS)
+    methods = methods or ["none"]
+    tree: dict[str, Any] = {"balancing.methods": methods[0] if len(methods) == 1 else methods}
+    if weights:  # else MoEConfig's default weight, for losses an override turns on
+        tree["balancing.aux_loss_coeff"] = weights[0] if len(weights) == 1 else weights
+    return tree
+
+
+def _balancing_to_megatron(methods: Any, coeffs: Any) -> dict:
+    """Megatron's load-balancing types (one list, one coefficient each) and expert-bias flag."""
+    settings = BalancingConfig(methods=methods, aux_loss_coeff=coeffs)
+    weights = settings.loss_coeffs
+    return {"moe_router_load_balancing_type": list(weights) or ["none"],
+            "moe_aux_loss_coeff": list(weights.values()) or [0.0],
+            "moe_router_enable_expert_bias": settings.uses_expert_bias}
+
+
+def _activation_to_tree(function: Any, gated: bool) -> dict:
+    """experts.activation from Megatron's activation function and GLU flag."""
+    name = getattr(function, "__name__", str(function))
+    if gated:
+        if function is F.silu:
+            return {"experts.activation": "swiglu"}
+        raise ConfigError(
+            f"gated activation {name!r} is not supported; use activation_func=F.silu (swiglu)"
+        )
+    if function is F.gelu:
+        return {"experts.activation": "gelu"}
+    if "squared_relu" in name:
+        return {"experts.activation": "squared_relu"}
+    raise ConfigError(
+        f"activation {name!r} is not supported; use swiglu (gated silu), gelu or squared_relu"
+    )
+
+
+def _activation_to_megatron(activation: str) -> dict:
+    function = {"swiglu": F.silu, "gelu": F.gelu, "squared_relu": squared_relu}[activation]
+    return {"activation_func": function, "gated_linear_unit": activation == "swiglu"}
+
+
+LINKS: tuple[Link, ...] = (
+    _same("num_moe_experts", "num_experts", host=True),
+    _same("moe_ffn_hidden_size", "ffn_hidden_size", host=True),
+    _same("moe_router_topk", "topk"),
+    _same("moe_router_score_function", "router.score_function"),
+    _same("moe_router_pre_softmax", "router.pre_softmax"),
+    _same("moe_router_topk_scaling_factor", "router.topk_scaling_factor"),
+    _same("moe_router_num_groups", "router.num_groups"),
+    _same("moe_router_group_topk", "router.groups_per_token"),
+    _same("moe_router_dtype", "router.dtype", off="fp32"),
+    _same("moe_input_jitter_eps", "router.input_jitter_eps"),
+    Link(("moe_router_load_balancing_type", "moe_aux_loss_coeff",
+          "moe_router_enable_expert_bias"), ("balancing.methods", "balancing.aux_loss_coeff"),
+         _balancing_to_tree, _balancing_to_megatron, host=True),
+    _same("moe_router_bias_update_rate", "balancing.bias_update_rate", host=True),
+    _same("moe_z_loss_coeff", "balancing.z_loss_coeff", off=0.0),
+    _same("moe_token_dispatcher_type", "dispatcher.kind"),
+    _same("moe_expert_capacity_factor", "dispatcher.capacity_factor"),
+    _same("moe_token_drop_policy", "dispatcher.drop_policy"),
+    _same("moe_shared_expert_intermediate_size", "shared_expert.ffn_hidden_size", host=True),
+    _same("moe_shared_expert_gate", "shared_expert.gate"),
+    Link(("activation_func", "gated_linear_unit"), ("experts.activation",),
+         _activation_to_tree, _activation_to_megatron),
+)
+"""The one mapping between Megatron-Core's MoE settings and the MoEConfig tree, read in both
+directions: `moe_config_from_transformer_config` (Megatron-LM's `--moe-*` flags -> MoEConfig)
+and `transformer_config_settings` (MoEConfig -> TransformerConfig fields)."""
+
+HOST_LINKS = tuple(link for link in LINKS if link.host)
+"""What a TransformerConfig written for megamoe's own layers carries (see `Link.host`)."""
+
+
+HONOURED = frozenset({name for link in LINKS for name in link.megatron} | {
+    "moe_layer_freq",  # the specs' dense/MoE layer pattern
+    # Read by Megatron-LM's logging (megamoe saves per-layer values to Megatron's tracker) and by
+    # its pipeline schedules (the MoEAuxLossAutoScaler scale, which megamoe's losses use).
+    "moe_per_layer_logging", "moe_grad_scale_func",
+    # Megatron-Core turns it into selective recompute of "moe" (recompute_modules), which
+    # MegatronMoELayer.forward honours.
+    "moe_layer_recompute",
+})
+"""Megatron-Core fields megamoe honours: the table's, and those read around megamoe's layers."""
+
+
+def moe_config_from_transformer_config(tc: Any, overrides: Optional[dict] = None) -> MoEConfig:
+    """The MoEConfig a Megatron-Core TransformerConfig's MoE fields say (`LINKS`; the layer's
+    width and init std are the model's), with nested `overrides` deep-merged on top
+    (`MoEConfig.merged`'s rule: a router of another kind replaces the router section).
 
     Every `moe_*` field of the installed TransformerConfig is honoured or, when set to a
     value megamoe cannot honour, refused with a ConfigError naming the field and the fix
@@ -143,80 +271,34 @@ def moe_config_from_transformer_config(tc: Any, **overrides: Any) -> MoEConfig:
             "TransformerConfig.num_moe_experts is None; set --num-experts to build an MoE layer"
         )
     check_megatron_fields(tc)
-    balancing, coeffs = _balancing_from_megatron(tc)
-    values = dict(
-        hidden_size=tc.hidden_size,
-        num_experts=tc.num_moe_experts,
-        ffn_hidden_size=tc.moe_ffn_hidden_size or tc.ffn_hidden_size,
-        topk=tc.moe_router_topk,
-        score_function=tc.moe_router_score_function,
-        pre_softmax=tc.moe_router_pre_softmax,
-        topk_scaling_factor=tc.moe_router_topk_scaling_factor,
-        num_groups=tc.moe_router_num_groups,
-        groups_per_token=tc.moe_router_group_topk,
-        balancing=balancing,
-        bias_update_rate=tc.moe_router_bias_update_rate,
-        z_loss_coeff=tc.moe_z_loss_coeff or 0.0,
-        capacity_factor=tc.moe_expert_capacity_factor,
-        drop_policy=tc.moe_token_drop_policy,
-        activation=_activation_from_megatron(tc),
-        shared_expert_ffn_size=tc.moe_shared_expert_intermediate_size,
-        shared_expert_gate=tc.moe_shared_expert_gate,
-        router_dtype=tc.moe_router_dtype or "fp32",
-        dispatcher=tc.moe_token_dispatcher_type,
-        input_jitter_eps=tc.moe_input_jitter_eps,
-        init_method_std=tc.init_method_std,
-    )
-    if coeffs:  # else MoEConfig's default weight, for losses the overrides turn on
-        values["aux_loss_coeff"] = coeffs[0] if len(coeffs) == 1 else coeffs
-    values.update(overrides)
-    unknown = set(values) - {f.name for f in dataclasses.fields(MoEConfig)}
-    if unknown:
-        raise ConfigError(f"unknown MoEConfig field(s) {sorted(unknown)}; see megamoe.MoEConfig")
-    return MoEConfig(**values)
+    tree: dict[str, Any] = {"hidden_size": tc.hidden_size, "init_method_std": tc.init_method_std}
+    for link in LINKS:
+        for path, value in link.to_tree(*(getattr(tc, name) for name in link.megatron)).items():
+            *sections, name = path.split(".")
+            part = tree
+            for section_name in sections:
+                part = part.setdefault(section_name, {})
+            part[name] = value
+    return MoEConfig.from_dict(deep_merge(tree, overrides or {}),
+                               "in the TransformerConfig's MoE settings and their overrides")
 
 
-def _balancing_from_megatron(tc: Any) -> tuple[list[str], list[float]]:
-    """(balancing, aux_loss_coeff) from Megatron's load-balancing type(s), coefficient(s) and
-    expert-bias flag. A loss whose coefficient is 0 is off, as in Megatron's router."""
-    kinds = tc.moe_router_load_balancing_type
-    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
-    coeffs = tc.moe_aux_loss_coeff
-    coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)
-    if len(coeffs) != len(kinds):
-        raise ConfigError(
-            f"moe_aux_loss_coeff={coeffs} has {len(coeffs)} values for "
-            f"moe_router_load_balancing_type={kinds}; give one coefficient per type"
-        )
-    balancing, weights = [], []
-    for kind, coeff in zip(kinds, coeffs):
-        if kind == "none":
-            continue
-        if kind not in BALANCE_LOSSES:
-            raise ConfigError(
-                f"moe_router_load_balancing_type={kind!r} is not supported by megamoe; use "
-                f"{list(BALANCE_LOSSES) + ['none']} and/or --moe-router-enable-expert-bias"
-            )
-        if coeff > 0:
-            balancing.append(kind)
-            weights.append(float(coeff))
-    if tc.moe_router_enable_expert_bias:
-        balancing.insert(0, BIAS)
-    return balancing or ["none"], weights
+def transformer_config_settings(moe: MoEConfig, owner: StepOwner,
+                                links: tuple[Link, ...] = LINKS) -> dict[str, Any]:
+    """TransformerConfig fields saying `moe`'s settings of `links` (`HOST_LINKS`: those
+    Megatron-Core acts on around megamoe's layers). `moe_router_enable_expert_bias` is on only
+    when Megatron's finalize_model_grads is the one to update the expert biases (`owner`)."""
+    settings: dict[str, Any] = {}
+    for link in links:
+        settings.update(link.to_megatron(*(_at(moe, path) for path in link.tree)))
+    if "moe_router_enable_expert_bias" in settings:
+        settings["moe_router_enable_expert_bias"] &= owner is StepOwner.FINALIZE_MODEL_GRADS
+    return settings
 
 
-def _activation_from_megatron(tc: Any) -> str:
-    name = getattr(tc.activation_func, "__name__", str(tc.activation_func))
-    if tc.gated_linear_unit:
-        if tc.activation_func is F.silu:
-            return "swiglu"
-        raise ConfigError(
-            f"gated activation {name!r} is not supported; use activation_func=F.silu (swiglu)"
-        )
-    if tc.activation_func is F.gelu:
-        return "gelu"
-    if "squared_relu" in name:
-        return "squared_relu"
-    raise ConfigError(
-        f"activation {name!r} is not supported; use swiglu (gated silu), gelu or squared_relu"
-    )
+def _at(moe: MoEConfig, path: str) -> Any:
+    """The value at dotted `path` of the tree (None for a router setting this router lacks)."""
+    value: Any = moe
+    for name in path.split("."):
+        value = getattr(value, name, None)
+    return value

@@ -1,18 +1,21 @@
 """The megamoe layer as Megatron-Core builds its `mlp` slot.
 
 TransformerLayer builds the mlp module with `config` (0.16) or `config, pg_collection,
-is_mtp_layer, name` (0.19), plus the spec's `params`. `MegatronMoELayer` accepts both, reads the
-user's `moe_*` settings from the TransformerConfig (`moe_config_from_transformer_config`) with the
-spec's `moe` overrides on top, and takes its process groups from the pg_collection (or
-Megatron's parallel_state). Its `sharded_state_dict` writes Megatron-Core's own MoE checkpoint
-layout with experts keyed by global id (`megamoe.megatron.sharded_state`).
+is_mtp_layer, name` (0.19), plus the spec's `params`. `MegatronMoELayer` accepts both and is
+configured by the spec's `moe`, the MoEConfig object itself (mapped once from Megatron-LM's
+`--moe-*` flags when the spec was made without one: `moe_config_from_transformer_config`); it
+takes its process groups from the pg_collection (or Megatron's parallel_state). Its
+`sharded_state_dict` writes Megatron-Core's own MoE checkpoint layout with experts keyed by
+global id (`megamoe.megatron.sharded_state`).
 
-Under Megatron-LM's training loop: its `finalize_model_grads` updates the expert biases (see
-`megamoe.routing.Router`), its logging shows the balance losses and load metrics
-(`megamoe.megatron.tracker`), the layer itself applies the rest of a step's balancing (expert
-thresholds, the adaptive aux coefficient) at the next step's first forward, and under sequence
-parallelism the balance losses are taken over the whole tensor-parallel group's tokens, so they
-train the router exactly as at TP=1.
+Who ends each step's balancing is the spec's `step_owner` (`megamoe.balancing.owner`): megamoe's
+trainer passes `STEP_BALANCING`; under Megatron-LM's training loop (no owner in the spec) its
+`finalize_model_grads` updates the expert biases when `moe_router_enable_expert_bias` is on
+(`megamoe.megatron.router_counts`) and the layer itself applies the rest of a step's balancing
+(the bias too without that flag, expert thresholds, the adaptive aux coefficient) at the next
+step's first forward. Megatron-LM's logging shows the balance losses and load metrics
+(`megamoe.megatron.tracker`), and under sequence parallelism the balance losses are taken over
+the whole tensor-parallel group's tokens, so they train the router exactly as at TP=1.
 """
 from __future__ import annotations
 
@@ -23,10 +26,11 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_default_pg_collection
 
 from megamoe.balancing import step_balancing
+from megamoe.balancing.owner import StepOwner
 from megamoe.config import MoEConfig
 from megamoe.errors import ConfigError
 from megamoe.layer import MoELayer
-from megamoe.megatron.fields import moe_config_from_transformer_config
+from megamoe.megatron.fields import check_megatron_fields, moe_config_from_transformer_config
 from megamoe.megatron.router_counts import megatron_router
 from megamoe.megatron.sharded_state import drop_extra_state_placeholders, moe_sharded_state_dict
 from megamoe.megatron.tracker import CLOCK, report_load_metrics, save_layer_statistics
@@ -37,20 +41,31 @@ from megamoe.routing import ROUTERS, Routing
 class MegatronMoELayer(MoELayer):
     """MoELayer for a Megatron-Core TransformerLayer's `mlp` slot.
 
-    moe: MoEConfig fields that override (or add to) what the TransformerConfig says, e.g.
-        {"router_type": "top_p"} or a per-layer {"num_experts": 16}.
+    moe: the layer's MoEConfig, used as is (None: the one the TransformerConfig's MoE settings
+        say, as for Megatron-LM's `--moe-*` flags).
     bias_width: width of the expert-bias buffers (the widest router of the model).
+    step_owner: who ends each step's balancing (`megamoe.balancing.owner`); None: Megatron-LM's
+        loop, `megatron_lm_owner(config)`.
     """
 
     def __init__(self, config: Any, submodules: Any = None, layer_number: Optional[int] = None,
                  pg_collection: Any = None, is_mtp_layer: bool = False, name: Optional[str] = None,
-                 moe: Optional[dict] = None, bias_width: Optional[int] = None):
-        cfg = moe_config_from_transformer_config(config, **(moe or {}))
+                 moe: Optional[MoEConfig] = None, bias_width: Optional[int] = None,
+                 step_owner: Optional[StepOwner] = None):
+        # Megatron settings megamoe cannot honour are refused whatever made the object (a spec
+        # function may have mapped it from Megatron-LM's config wrapper, not this config).
+        check_megatron_fields(config)
+        cfg = moe if moe is not None else moe_config_from_transformer_config(config)
+        if cfg.hidden_size != config.hidden_size:
+            raise ConfigError(f"the spec's MoEConfig has hidden_size={cfg.hidden_size} but the "
+                              f"model's is {config.hidden_size}; build it with the model's width")
         pgs = pg_collection if pg_collection is not None else get_default_pg_collection()
         _check_supported_parallelism(config, pgs)
-        _check_megatron_bias_update(config, cfg)
+        owner = step_owner or megatron_lm_owner(config)
+        _check_bias_owner(config, cfg, owner)
         tp = pgs.tp.size() if pgs.tp is not None else 1
         self._bias_width = bias_width
+        self._step_owner = owner
         super().__init__(cfg, ep_comm=as_comm(pgs.ep), replica_comm=as_comm(pgs.tp_dp_cp),
                          init_method=config.init_method,
                          output_init_method=config.output_layer_init_method,
@@ -82,9 +97,10 @@ class MegatronMoELayer(MoELayer):
         return super().forward(hidden_SBD, padding_mask)
 
     def make_router(self, cfg: MoEConfig, init_method):
-        """The configured router with Megatron's bias-update contract
-        (`megamoe.megatron.router_counts`)."""
-        return megatron_router(ROUTERS[cfg.router_type])(cfg, init_method, self._bias_width)
+        """The configured router, ended by this layer's step owner, with Megatron's bias-update
+        contract when that is finalize_model_grads (`megamoe.megatron.router_counts`)."""
+        return megatron_router(ROUTERS[cfg.router.kind])(cfg, init_method, self._bias_width,
+                                                         self._step_owner)
 
     def attach_losses(self, y_TD, total):
         """Megatron-Core's MoEAuxLossAutoScaler, whose scale Megatron's pipeline schedules set
@@ -92,19 +108,22 @@ class MegatronMoELayer(MoELayer):
         return MoEAuxLossAutoScaler.apply(y_TD, total)
 
     def start_counting(self) -> None:
-        """A new step begins when Megatron's finalize_model_grads consumed the routing counts
-        (`bias_updated_by_host`) or when Megatron-LM's logging zeroed its MoE tracker. Megatron-LM's
-        loop never calls `step_balancing`, so what only it applies (expert thresholds, the
-        adaptive aux coefficient, a bias Megatron does not update) is applied here, from the
-        last step's counts reduced over the router's replicas: the values the next forward sees
-        are those `step_balancing` would have set."""
+        """Under Megatron-LM's loop (a step owner that ends steps in the forward), end the last
+        step at this step's first forward. That loop calls no megamoe hook between steps; the
+        one per-iteration event every layer can see, those without an expert bias included, is
+        its logging reducing and zeroing Megatron's MoE tracker (`CLOCK`,
+        `megamoe.megatron.tracker`), so that is the step boundary. What the owner leaves to the
+        layer (expert thresholds, the adaptive aux coefficient, a bias finalize_model_grads
+        does not update) is applied here by `step_balancing`, from the last step's counts
+        reduced over the router's replicas: the values this forward sees are those
+        `step_balancing` would have set at the end of the last step."""
+        if not self._step_owner.step_ends_in_forward:
+            return
         generation = CLOCK.tick()
         if generation != self._generation:
             self._generation = generation
             if self.router.step_pending():
                 step_balancing(self, self.replica_comm)
-            self.router.load.reset()
-        elif self.router.bias_updated_by_host:
             self.router.load.reset()
 
     def loss_scale(self, routing: Routing):
@@ -129,17 +148,43 @@ class MegatronMoELayer(MoELayer):
         return moe_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
 
-def _check_megatron_bias_update(config: Any, cfg: MoEConfig) -> None:
-    """Megatron's finalize_model_grads applies its own rate and rule to every bias router when
-    `moe_router_enable_expert_bias` is on; refuse per-layer settings it would silently replace."""
-    if not (config.moe_router_enable_expert_bias and cfg.uses_expert_bias):
+def megatron_lm_owner(config: Any) -> StepOwner:
+    """Who ends a step under Megatron-LM's training loop: its finalize_model_grads updates the
+    expert biases when `moe_router_enable_expert_bias` is on, and the layer's next forward does
+    the rest; without that flag the layer's next forward does it all."""
+    if config.moe_router_enable_expert_bias:
+        return StepOwner.FINALIZE_MODEL_GRADS
+    return StepOwner.NEXT_FORWARD
+
+
+def _check_bias_owner(config: Any, cfg: MoEConfig, owner: StepOwner) -> None:
+    """The bias is updated once, by its owner: Megatron's finalize_model_grads updates every bias
+    router when `moe_router_enable_expert_bias` is on, with its own rate and rule; refuse a
+    layer whose settings it would silently replace, or whose owner is someone else."""
+    balancing = cfg.balancing
+    if not balancing.uses_expert_bias:
         return
-    if cfg.bias_update_rate != config.moe_router_bias_update_rate or cfg.bias_mean_centering:
+    by_megatron = owner is StepOwner.FINALIZE_MODEL_GRADS
+    if by_megatron != bool(config.moe_router_enable_expert_bias):
         raise ConfigError(
-            f"bias_update_rate={cfg.bias_update_rate}, bias_mean_centering="
-            f"{cfg.bias_mean_centering}: with moe_router_enable_expert_bias Megatron's "
-            "finalize_model_grads updates every bias at moe_router_bias_update_rate="
-            f"{config.moe_router_bias_update_rate} without centering; set the layer to match"
+            f"moe_router_enable_expert_bias={config.moe_router_enable_expert_bias} but the expert "
+            f"biases are updated by {owner.value}; turn the flag on exactly when Megatron's "
+            "finalize_model_grads is the one to update them")
+    if not by_megatron:
+        return
+    if balancing.bias_update_schedule:
+        raise ConfigError(
+            f"balancing.bias_update_schedule={balancing.bias_update_schedule}: Megatron's "
+            "finalize_model_grads updates the biases at moe_router_bias_update_rate every step; "
+            "drop the schedule (or train with megamoe's trainer)")
+    if (balancing.bias_update_rate != config.moe_router_bias_update_rate
+            or balancing.bias_mean_centering):
+        raise ConfigError(
+            f"balancing.bias_update_rate={balancing.bias_update_rate}, "
+            f"balancing.bias_mean_centering={balancing.bias_mean_centering}: with "
+            "moe_router_enable_expert_bias Megatron's finalize_model_grads updates every bias at "
+            f"moe_router_bias_update_rate={config.moe_router_bias_update_rate} without centering; "
+            "set the layer to match"
         )
 
 

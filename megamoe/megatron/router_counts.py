@@ -1,20 +1,19 @@
 """A megamoe router as Megatron-Core's finalize_model_grads expects to find one.
 
-Megatron-Core updates the expert biases itself (`_update_router_expert_bias`, once per step): it
-duck-types routers by their `expert_bias` and `local_tokens_per_expert` buffers, stacks the
-buffers of every router it finds and applies `b += u * sign(mean(c) - c)`, then zeroes the counts
-(`reset_model_temporary_tensors`); with `global_aux_loss` it calls
-`reset_global_aux_loss_tracker()` once per step. `megatron_router(cls)` adds that contract to a
-megamoe router class:
+With `moe_router_enable_expert_bias`, Megatron-Core updates the expert biases itself
+(`_update_router_expert_bias`, once per step): it duck-types routers by their `expert_bias` and
+`local_tokens_per_expert` buffers, stacks the buffers of every router it finds and applies
+`b += u * sign(mean(c) - c)`, then zeroes the counts (`reset_model_temporary_tensors`); with
+`global_aux_loss` it calls `reset_global_aux_loss_tracker()` once per step.
+`megatron_router(cls)` gives a megamoe router class its step owner (`megamoe.balancing.owner`,
+decided by the layer's builder) and, when that owner is `FINALIZE_MODEL_GRADS`, that contract:
 
 - `local_tokens_per_expert`: the step's selections per expert, added at every counted forward;
 - both buffers of width W = `bias_width` (the widest router of a model with different expert
   counts), because Megatron stacks them: the counts then hold E * c_i for the real experts and
   sum(c) in the padding, so Megatron's rule computes exactly u * sign(mean(c) - c_i) for the real
-  experts and leaves the padding at 0. The state dict holds the real [E] bias only;
-- `bias_updated_by_host`: Megatron zeroed the counts since this router last added to them (their
-  version counter moved), so it has already applied this step's update and megamoe's
-  `step_balancing` must not apply it twice.
+  experts and leaves the padding at 0. The state dict holds the real [E] bias only.
+`step_balancing` then leaves the bias to Megatron (`StepOwner.bias_by_step_balancing`).
 """
 from __future__ import annotations
 
@@ -23,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from megamoe.balancing.owner import StepOwner
 from megamoe.errors import ConfigError
 from megamoe.routing import Router, Routing
 
@@ -30,9 +30,11 @@ from megamoe.routing import Router, Routing
 class MegatronRouterCounts:
     """Mixin over a megamoe `Router` class (see the module docstring)."""
 
-    def __init__(self, cfg, init_method=None, bias_width: Optional[int] = None):
+    def __init__(self, cfg, init_method=None, bias_width: Optional[int] = None,
+                 step_owner: StepOwner = StepOwner.STEP_BALANCING):
         super().__init__(cfg, init_method)
-        if self.bias_E is None:
+        self.step_owner = step_owner
+        if self.bias_E is None or step_owner is not StepOwner.FINALIZE_MODEL_GRADS:
             return
         E = cfg.num_experts
         width = bias_width or E
@@ -41,7 +43,6 @@ class MegatronRouterCounts:
         self.expert_bias = torch.zeros(width, dtype=torch.float32)
         self.register_buffer("local_tokens_per_expert", torch.zeros(width, dtype=torch.float32),
                              persistent=False)
-        self._counts_version = self.local_tokens_per_expert._version
 
     @property
     def bias_E(self) -> Optional[torch.Tensor]:
@@ -50,25 +51,16 @@ class MegatronRouterCounts:
         return None if bias is None else bias[:self.cfg.num_experts]
 
     def record(self, routing: Routing, losses: dict[str, torch.Tensor]) -> None:
-        if self.counts_this_forward() and self.bias_E is not None:
+        if self.counts_this_forward() and "local_tokens_per_expert" in self._buffers:
             self._add_counts(routing.selected_TE.sum(0, dtype=torch.float32))
         super().record(routing, losses)
 
-    def discard_step(self) -> None:
-        super().discard_step()
-        self.after_bias_update()
-
-    @property
-    def bias_updated_by_host(self) -> bool:
-        counts = getattr(self, "local_tokens_per_expert", None)
-        return counts is not None and counts._version != self._counts_version
-
     @torch.no_grad()
-    def after_bias_update(self) -> None:
-        """Zero `local_tokens_per_expert` (megamoe's own update consumed them)."""
-        if self.bias_E is not None:
+    def discard_step(self) -> None:
+        """Forget this step's counts, Megatron's included."""
+        super().discard_step()
+        if "local_tokens_per_expert" in self._buffers:
             self.local_tokens_per_expert.zero_()
-            self._counts_version = self.local_tokens_per_expert._version
 
     def reset_global_aux_loss_tracker(self) -> None:
         """Megatron's once-per-step call under `global_aux_loss`: restart the step's running
@@ -83,7 +75,6 @@ class MegatronRouterCounts:
         else:
             buffer[:E] += E * counts_E
             buffer[E:] += counts_E.sum()
-        self._counts_version = buffer._version
 
     @property
     def _padded(self) -> bool:
@@ -102,12 +93,6 @@ class MegatronRouterCounts:
             padded[:self.cfg.num_experts] = state_dict[key]
             state_dict[key] = padded
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        if "local_tokens_per_expert" in self._buffers:
-            self._counts_version = self.local_tokens_per_expert._version
-        return self
 
 
 @functools.cache

@@ -123,6 +123,10 @@ def initialise_weights(chunks: list[torch.nn.Module], config: Any, seed: int,
     the model's `sharded_state_dict` metadata)."""
     for chunk in chunks:
         owners = {t.untyped_storage().data_ptr(): name for name, t in _floating_tensors(chunk)}
+        # Buffers are state that starts from its constructed value (a router's expert bias or
+        # expert-threshold EMA, the adaptive aux coefficient), never a random draw.
+        buffers = {t.untyped_storage().data_ptr() for _, t in _floating_tensors(chunk)
+                   if not isinstance(t, torch.nn.Parameter)}
         reached = set()
         for sharded in local_tensors(chunk, metadata):
             storage = sharded.data.untyped_storage().data_ptr()
@@ -130,7 +134,7 @@ def initialise_weights(chunks: list[torch.nn.Module], config: Any, seed: int,
                 raise RuntimeError(f"{sharded.key}: its checkpoint description is a copy, not a "
                                    "view of a parameter, so it cannot be initialised in place")
             reached.add(storage)
-            std = init_std(sharded.key, config)
+            std = None if storage in buffers else init_std(sharded.key, config)
             if std is None:
                 continue
             p = sharded.prepend_axis_num

@@ -63,7 +63,7 @@ def _experts(layer: Any, prefix: str, sharded_offsets: tuple, singleton: bool) -
     first, num_global = layer.ep_comm.rank * L, layer.ep_comm.size * L
     replica_id = (0, 0, get_pg_rank(layer.pg_collection.expt_dp))
     sharded = {}
-    for name, attr, glu in (("linear_fc1", "fc1_weight", layer.cfg.gated),
+    for name, attr, glu in (("linear_fc1", "fc1_weight", layer.cfg.experts.gated),
                             ("linear_fc2", "fc2_weight", False)):
         build = _expert_shards_builder(first, num_global, sharded_offsets, glu, singleton)
         sharded[f"{prefix}{attr}"] = ShardedTensorFactory(
@@ -137,7 +137,7 @@ def _shared_expert(layer: Any, prefix: str, sharded_offsets: tuple, singleton: b
     for name, value in shared.state_dict(keep_vars=True).items():
         sharded[f"{prefix}{name}"] = make_sharded_tensor_for_checkpoint(
             value, f"{prefix}{name}", prepend_offsets=sharded_offsets, **groups)
-    if layer.cfg.gated:
+    if layer.cfg.experts.gated:
         key = f"{prefix}linear_fc1.weight"
         sharded[key] = apply_swiglu_sharded_factory(sharded[key], sharded_offsets, singleton)
     replica_id = (0, get_pg_rank(groups["tp_group"]), get_pg_rank(groups["dp_cp_group"]))

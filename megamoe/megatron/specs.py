@@ -1,12 +1,15 @@
 """Megatron-Core specs with megamoe layers in the `mlp` slot.
 
-- `moe_mlp_spec(**moe)`: the mlp-slot spec (a ModuleSpec of MegatronMoELayer).
-- `gpt_layer_spec(config, **moe)`: a full GPT TransformerLayer spec with a megamoe MLP.
-- `gpt_decoder_block_spec(config, ...)`: a decoder block spec interleaving dense and megamoe
-  layers (Megatron's `moe_layer_freq`, a 0/1 list, or "first k dense"), with optional per-layer
-  MoE overrides, so layers may differ in experts, top-k or router.
-- `interleaved_layer_spec(first_k_dense, **moe)`: one spec for every layer, whose layers decide
-  dense or MoE when they are built (`MegaMoETransformerLayer`).
+Each megamoe layer is configured by an MoEConfig object the spec carries into it (`moe`);
+where a spec is made without one, Megatron's `moe_*` settings (Megatron-LM's `--moe-*` flags)
+are mapped into it once (`megamoe.megatron.fields.moe_config_from_transformer_config`).
+- `moe_mlp_spec(moe)`: the mlp-slot spec (a ModuleSpec of MegatronMoELayer).
+- `gpt_layer_spec(config, moe=...)`: a full GPT TransformerLayer spec with a megamoe MLP.
+- `gpt_decoder_block_spec(config, moe, ...)`: a decoder block spec interleaving dense and
+  megamoe layers (Megatron's `moe_layer_freq`, a 0/1 list, or "first k dense"), with per-layer
+  MoEConfig objects, so layers may differ in experts, top-k or router.
+- `interleaved_layer_spec(first_k_dense)`: one spec for every layer, whose layers decide dense
+  or MoE when they are built (`MegaMoETransformerLayer`).
 
 For Megatron-LM's `pretrain_gpt.py --spec megamoe.megatron.specs NAME`, `layer_spec` and
 `decoder_block_spec` work as every Megatron-LM version consumes the named object:
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -44,8 +47,10 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import get_pg_rank
 
-from megamoe.config import moe_layer_pattern
+from megamoe.balancing.owner import StepOwner
+from megamoe.config import MoEConfig, moe_layer_pattern
 from megamoe.errors import ConfigError
+from megamoe.megatron.fields import moe_config_from_transformer_config
 from megamoe.megatron.latent_attention import with_latent_attention
 from megamoe.megatron.local_fallbacks import LAYER_FALLBACKS, enable_local_fallbacks
 from megamoe.megatron.moe_module import MegatronMoELayer
@@ -61,12 +66,14 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def moe_mlp_spec(bias_width: Optional[int] = None, **moe: Any) -> ModuleSpec:
-    """The `mlp` slot spec: a megamoe layer with MoEConfig overrides `moe` (and the width of
-    its expert-bias buffers, see `megamoe.routing.Router`)."""
-    params: dict[str, Any] = {"moe": dict(moe)}
-    if bias_width is not None:
-        params["bias_width"] = bias_width
+def moe_mlp_spec(moe: Optional[MoEConfig] = None, bias_width: Optional[int] = None,
+                 step_owner: Optional[StepOwner] = None) -> ModuleSpec:
+    """The `mlp` slot spec: a megamoe layer configured by `moe` (None: by the TransformerConfig
+    it is built with), with the width of its expert-bias buffers
+    (`megamoe.megatron.router_counts`) and who ends its steps (`megamoe.balancing.owner`; None:
+    Megatron-LM's loop)."""
+    params = {name: value for name, value in (("moe", moe), ("bias_width", bias_width),
+                                              ("step_owner", step_owner)) if value is not None}
     return ModuleSpec(module=MegatronMoELayer, params=params)
 
 
@@ -102,24 +109,29 @@ def _uses_transformer_engine(config: Any, use_transformer_engine: Optional[bool]
 
 
 def gpt_layer_spec(config: Any = None, use_transformer_engine: Optional[bool] = None,
-                   bias_width: Optional[int] = None, **moe: Any) -> ModuleSpec:
-    """A GPT TransformerLayer spec whose MLP is a megamoe layer (every layer MoE)."""
+                   moe: Optional[MoEConfig] = None, bias_width: Optional[int] = None,
+                   step_owner: Optional[StepOwner] = None) -> ModuleSpec:
+    """A GPT TransformerLayer spec whose MLP is a megamoe layer (`moe_mlp_spec`)."""
     base = _base_layer_spec(config, moe=True,
                             use_te=_uses_transformer_engine(config, use_transformer_engine))
-    submodules = dataclasses.replace(base.submodules, mlp=moe_mlp_spec(bias_width, **moe))
+    submodules = dataclasses.replace(base.submodules,
+                                     mlp=moe_mlp_spec(moe, bias_width, step_owner))
     return dataclasses.replace(base, submodules=submodules)
 
 
-def gpt_decoder_block_spec(config: Any, first_k_dense: int = 0,
-                           layer_overrides: Optional[dict[int, dict]] = None,
+def gpt_decoder_block_spec(config: Any, moe: Optional[MoEConfig] = None, first_k_dense: int = 0,
+                           layer_overrides: Optional[dict[int, Union[MoEConfig, dict]]] = None,
                            use_transformer_engine: Optional[bool] = None,
                            vp_stage: Optional[int] = None, pp_rank: Optional[int] = None,
-                           **moe: Any) -> TransformerBlockSubmodules:
+                           step_owner: Optional[StepOwner] = None) -> TransformerBlockSubmodules:
     """Decoder block spec: dense layers and megamoe layers as `moe_layer_pattern` says.
 
-    layer_overrides: {layer index (0-based, global): MoEConfig overrides} on top of `moe`, for
-    layers that differ (e.g. {5: {"num_experts": 16, "topk": 4}}).
-    Only this pipeline stage's layers are returned, like Megatron's get_gpt_decoder_block_spec.
+    moe: the MoE layers' MoEConfig (None: mapped once from `config`'s MoE settings).
+    layer_overrides: {layer index (0-based, global): that layer's MoEConfig, or nested changes
+    merged over `moe` (`MoEConfig.merged`, e.g. {5: {"num_experts": 16, "topk": 4}})}.
+    step_owner: who ends each step's balancing (`megamoe.balancing.owner`; None: Megatron-LM's
+    loop). Only this pipeline stage's layers are returned, like Megatron's
+    get_gpt_decoder_block_spec.
     """
     if getattr(config, "pipeline_model_parallel_layout", None) is not None:
         raise ConfigError(
@@ -133,12 +145,13 @@ def gpt_decoder_block_spec(config: Any, first_k_dense: int = 0,
     if bad:
         raise ConfigError(f"layer_overrides for layers {bad}, which are not MoE layers")
     dense = _base_layer_spec(config, moe=False, use_te=use_te)
+    base = moe if moe is not None else moe_config_from_transformer_config(config)
+    layer_moe = {i: _layer_moe(base, overrides.get(i), i)
+                 for i, is_moe in enumerate(pattern) if is_moe}
     # Every bias router of the model exposes buffers of the widest router's width, so that
-    # Megatron's finalize_model_grads can stack them (megamoe.routing.Router).
-    width = max([config.num_moe_experts or 0] +
-                [o.get("num_experts", 0) for o in overrides.values()] + [moe.get("num_experts", 0)])
-    layer_moe = {i: {**moe, **overrides.get(i, {})} for i, is_moe in enumerate(pattern) if is_moe}
-    specs = [gpt_layer_spec(config, use_te, bias_width=width, **layer_moe[i]) if is_moe else dense
+    # Megatron's finalize_model_grads can stack them (megamoe.megatron.router_counts).
+    width = max([cfg.num_experts for cfg in layer_moe.values()], default=None)
+    specs = [gpt_layer_spec(config, use_te, layer_moe[i], width, step_owner) if is_moe else dense
              for i, is_moe in enumerate(pattern)]
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
@@ -148,25 +161,35 @@ def gpt_decoder_block_spec(config: Any, first_k_dense: int = 0,
     return TransformerBlockSubmodules(layer_specs=specs[offset:offset + count], layer_norm=norm)
 
 
+def _layer_moe(base: MoEConfig, override: Union[MoEConfig, dict, None], layer: int) -> MoEConfig:
+    """Layer `layer`'s MoEConfig: its own object, or its nested changes merged over `base`."""
+    if isinstance(override, MoEConfig):
+        return override
+    return base.merged(override, f"in layer_overrides[{layer}]") if override else base
+
+
 class MegaMoETransformerLayer(TransformerLayer):
     """A TransformerLayer that is a megamoe MoE layer or Megatron's dense layer, decided when it
     is built from its TransformerConfig (`moe_layer_freq`, plus `first_k_dense`) and its global
     layer number, with Megatron's own attention and norm modules for that config.
 
-    One ModuleSpec of it serves every layer, which is how Megatron-LM's `--spec` object is used.
+    One ModuleSpec of it serves every layer, which is how Megatron-LM's `--spec` object is used:
+    a MoE layer maps the `--moe-*` flags of the TransformerConfig it is built with into its
+    MoEConfig (every layer of that config alike, so the expert-bias buffers need no padding).
     The global number is computed as TransformerLayer does (the pipeline/virtual-stage offset
     added to the block-local `layer_number`); a multi-token-prediction layer takes the kind of
     the last decoder layer, as Megatron's own MTP specs do.
     """
 
     def __init__(self, config: Any, submodules: Any = None, layer_number: int = 1,
-                 first_k_dense: int = 0, moe: Optional[dict] = None, **kwargs: Any):
+                 first_k_dense: int = 0, **kwargs: Any):
         number = _global_layer_number(config, layer_number, kwargs)
         is_moe = moe_layer_pattern(config, first_k_dense)[number - 1]
         use_te = _uses_transformer_engine(config, None)
         base = _base_layer_spec(config, moe=is_moe, use_te=use_te).submodules
         if is_moe:
-            base = dataclasses.replace(base, mlp=moe_mlp_spec(**(moe or {})))
+            base = dataclasses.replace(
+                base, mlp=moe_mlp_spec(moe_config_from_transformer_config(config)))
         report_load_metrics()  # on dense-only pipeline stages too: every rank tracks alike
         super().__init__(config, base, layer_number, **kwargs)
 
@@ -204,21 +227,20 @@ class MegatronLMBlockSpec(MegatronLMSpec):
     """`MegatronLMSpec` whose spec-function form returns the whole decoder block spec."""
 
     def resolve(self, config: Any, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
-        """The decoder block spec of this pipeline (and virtual) stage for `config`."""
+        """The decoder block spec of this pipeline (and virtual) stage for `config`, its MoE
+        layers configured by the one MoEConfig `config`'s MoE settings map to."""
         return gpt_decoder_block_spec(config, vp_stage=vp_stage,
-                                      first_k_dense=self.params["first_k_dense"],
-                                      **self.params["moe"])
+                                      first_k_dense=self.params["first_k_dense"])
 
 
-def interleaved_layer_spec(first_k_dense: int = 0, block: bool = False,
-                           **moe: Any) -> MegatronLMSpec:
+def interleaved_layer_spec(first_k_dense: int = 0, block: bool = False) -> MegatronLMSpec:
     """One spec for every layer: dense or megamoe MoE per `moe_layer_freq` and `first_k_dense`,
-    decided at build time (`MegaMoETransformerLayer`); `moe` are MoEConfig overrides. With
-    `block`, its spec-function form returns the decoder block spec."""
+    decided at build time (`MegaMoETransformerLayer`). With `block`, its spec-function form
+    returns the decoder block spec."""
     cls = MegatronLMBlockSpec if block else MegatronLMSpec
-    template = gpt_layer_spec(use_transformer_engine=transformer_engine_available(), **moe)
+    template = gpt_layer_spec(use_transformer_engine=transformer_engine_available())
     return cls(module=MegaMoETransformerLayer, submodules=template.submodules,
-               params={"first_k_dense": first_k_dense, "moe": dict(moe)})
+               params={"first_k_dense": first_k_dense})
 
 
 layer_spec = interleaved_layer_spec()

@@ -13,8 +13,11 @@ plus `entropy_loss` (top-p routing) and the load metrics `moe_maxvio_batch` (Max
 micro-batch, arXiv 2408.15664) and `moe_experts_per_token`.
 
 Megatron zeroing the tracker is also the one per-iteration signal a layer can see under
-Megatron-LM's loop: `StepClock` notices it (the tensor's version counter moved without megamoe
-writing) and the layers then restart their own per-step trackers.
+Megatron-LM's loop, which calls no megamoe hook between iterations: `StepClock` notices it (the
+tensor's version counter moved without megamoe writing) and the layers then end the last step
+and restart their own per-step trackers. Who ends a step is not inferred from it: that is named
+when the model is built (`megamoe.balancing.owner`); the clock only says when, and only layers
+whose owner ends steps in the forward read it.
 """
 from __future__ import annotations
 

@@ -72,14 +72,15 @@ def routed_rows(cfg: MoEConfig, tokens: int, ep: int, maxvio: float) -> tuple[fl
     most (1 + V) * m assignments of a rank's tokens, m = T k / E, and at most T (a token picks an
     expert once); the busiest rank's L local experts take at most L (1 + V) m, and at most
     T min(L, k) (a token sends at most min(L, k) of its k rows to one rank), from each of the ep
-    ranks. With `capacity_factor` an expert keeps at most ceil(c T k / E) per rank."""
+    ranks. With `dispatcher.capacity_factor` an expert keeps at most ceil(c T k / E) per rank."""
     E, k = cfg.num_experts, cfg.topk
     local = E // ep
     mean = tokens * k / E
     hot = min(local * (1 + maxvio) * mean, tokens * min(local, k))
     sent = tokens * k
-    if cfg.capacity_factor is not None:
-        capacity = max(1, math.ceil(cfg.capacity_factor * tokens * k / E))
+    capacity_factor = cfg.dispatcher.capacity_factor
+    if capacity_factor is not None:
+        capacity = max(1, math.ceil(capacity_factor * tokens * k / E))
         hot = min(hot, local * capacity)
         sent = min(sent, E * capacity)
     return float(sent), ep * hot
@@ -179,17 +180,17 @@ def _moe(cfg: MoEConfig, x: Shapes, maxvio: float) -> list[Term]:
     with expert parallelism the int64 index that orders received rows by expert and the expert
     output in arrival order."""
     T, e, D, E = x.tokens, x.e, x.h, cfg.num_experts
-    gated = cfg.gated
+    gated = cfg.experts.gated
     terms = []
-    if cfg.shared_expert_ffn_size:
-        Fs = cfg.shared_expert_ffn_size
+    if cfg.shared_expert.ffn_hidden_size:
+        Fs = cfg.shared_expert.ffn_hidden_size
         terms.append(Term("shared expert", T * Fs * ((2 if gated else 1) + 2) * e,
                           module="moe"))
-        if cfg.shared_expert_gate:
+        if cfg.shared_expert.gate:
             terms.append(Term("shared expert gate", 2 * T * e, module="moe"))
     terms.append(Term("router scores and selection", T * E * (2 * FP32 + 1) + 2 * T * FP32,
                       MOE, "moe"))
-    if cfg.balance_loss_coeffs or cfg.z_loss_coeff > 0:
+    if cfg.balancing.loss_coeffs or cfg.balancing.z_loss_coeff > 0:
         terms.append(Term("balance-loss terms", T * E * FP32 + 3 * T * FP32 + 2 * T, MOE, "moe"))
     sent, received = routed_rows(cfg, T, x.ep, maxvio)
     F = cfg.ffn_hidden_size
@@ -200,7 +201,7 @@ def _moe(cfg: MoEConfig, x: Shapes, maxvio: float) -> list[Term]:
     back = (D * e + INDEX_BYTES) if x.ep > 1 else 0
     terms.append(Term("received rows: expert input, pre-activation, activation",
                       received * ((D + (2 * F if gated else F) + F) * e + back), MOE, "moe"))
-    if cfg.dispatcher == "allgather" and x.ep > 1:
+    if cfg.dispatcher.kind == "allgather" and x.ep > 1:
         terms.append(Term("all-gathered tokens", x.ep * T * D * e, MOE, "moe"))
     return terms
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from megamoe.config import moe_layer_pattern
 from megamoe.errors import ConfigError
+from megamoe.settings import flat_values
 from megamoe.train.config import TrainConfig
 
 MAX_SIZE = {
@@ -32,7 +33,7 @@ MAX_SIZE = {
     "training.micro_batch_size": 2**12,
     "moe.num_experts": 2**16,
     "moe.ffn_hidden_size": 2**22,
-    "moe.shared_expert_ffn_size": 2**22,
+    "moe.shared_expert.ffn_hidden_size": 2**22,
 }
 """The largest value of each size the planner counts."""
 MAX_EXPERT_WEIGHTS = 2**18
@@ -40,18 +41,20 @@ MAX_EXPERT_WEIGHTS = 2**18
 
 
 def _moe_settings(config: TrainConfig) -> list[tuple[str, dict]]:
-    """(setting prefix, settings) of the base `moe` section and of each layer override."""
-    overrides = config.moe.get("layer_overrides") or {}
-    return [("moe", config.moe), *((f"moe.layer_overrides.{layer}", values)
-                                   for layer, values in overrides.items()
-                                   if isinstance(values, dict))]
+    """(setting prefix, {dotted setting: value}) of the base `moe` section and of each layer
+    override."""
+    section = {name: value for name, value in config.moe.to_dict().items()
+               if name != "layer_overrides"}
+    return [("moe", flat_values(section)),
+            *((f"moe.layer_overrides.{layer}", flat_values(changes))
+              for layer, changes in config.moe.layer_overrides.items())]
 
 
 def _sizes(config: TrainConfig) -> list[tuple[str, str, object]]:
     """(limit name, setting as the user writes it, value) of every bounded size present."""
     found = []
     for name in MAX_SIZE:
-        section, field = name.split(".")
+        section, field = name.split(".", 1)
         if section == "moe":
             found += [(name, f"{prefix}.{field}", values[field])
                       for prefix, values in _moe_settings(config) if field in values]
@@ -61,8 +64,7 @@ def _sizes(config: TrainConfig) -> list[tuple[str, str, object]]:
 
 
 def _experts(config: TrainConfig, layer: int) -> int:
-    values = {**config.moe, **((config.moe.get("layer_overrides") or {}).get(layer) or {})}
-    return values.get("num_experts", 0)
+    return config.moe.layer(layer).num_experts
 
 
 def check_countable(config: TrainConfig) -> None:

@@ -99,7 +99,7 @@ def _all_to_all_bytes(config: TrainConfig, stage: StageShard, x: act.Shapes, max
     total = 0.0
     for chunk in stage.chunks:
         for layer in chunk.layers:
-            if layer.moe is None or layer.moe.dispatcher != "alltoall":
+            if layer.moe is None or layer.moe.dispatcher.kind != "alltoall":
                 continue
             sent, received = act.routed_rows(layer.moe, x.tokens, x.ep, maxvio)
             # dispatch sends this rank's rows, combine returns the rows it received; the

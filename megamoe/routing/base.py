@@ -15,8 +15,10 @@ from torch import nn
 import torch.nn.functional as F
 
 from megamoe.balancing.inference import InferenceTally
+from megamoe.balancing.owner import StepOwner
 from megamoe.balancing.tracker import LoadTracker
-from megamoe.config import MoEConfig
+from megamoe.config import MoEConfig, RouterConfig
+from megamoe.errors import ConfigError
 from megamoe.parallel.comm import Comm, SingleComm
 
 
@@ -47,6 +49,13 @@ class Routing:
                        gates_TE=self.gates_TE * routing_map_TE)
 
 
+def refuse_expert_bias(router: RouterConfig, moe) -> None:
+    """A router that balances by construction takes no loss-free bias."""
+    if moe.balancing.uses_expert_bias:
+        raise ConfigError(f"balancing.methods includes 'bias' with router.kind={router.kind!r}, "
+                          "which balances by construction; drop 'bias' from balancing.methods")
+
+
 def in_recomputation() -> bool:
     """True while autograd's backward is running, i.e. during activation recomputation."""
     return torch._C._current_graph_task_id() != -1
@@ -65,11 +74,14 @@ class Router(nn.Module):
     2408.15664) lives in the fp32 buffer `expert_bias`; it steers selection only and is updated
     once per optimizer step, never by gradients, by `megamoe.balancing.step_balancing`.
 
-    A host training framework that updates the bias itself (Megatron-Core's finalize_model_grads,
-    `megamoe.megatron.router_counts`) extends a router through three hooks: `record` (count the
-    routing for it too), `bias_updated_by_host` (the step's bias update already happened) and
-    `after_bias_update` (after megamoe's own update).
+    Who ends each step is `step_owner` (`megamoe.balancing.owner`), decided when the model is
+    built: here `step_balancing`, called by megamoe's trainer or a plain PyTorch loop. A host
+    training framework that updates the bias itself (Megatron-Core's finalize_model_grads,
+    `megamoe.megatron.router_counts`) sets another owner and extends `record` (count the
+    routing for it too).
     """
+
+    step_owner: StepOwner = StepOwner.STEP_BALANCING
 
     def __init__(self, cfg: MoEConfig, init_method=None):
         super().__init__()
@@ -77,11 +89,11 @@ class Router(nn.Module):
         E = cfg.num_experts
         self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size))
         (init_method or _normal_init(cfg.init_method_std))(self.weight)
-        if cfg.uses_expert_bias:
+        if cfg.balancing.uses_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
-        if cfg.uses_adaptive_aux:  # Skywork-MoE's per-layer coefficient, megamoe.balancing.adaptive
+        if cfg.balancing.uses_adaptive_aux:  # Skywork-MoE's coefficient, balancing.adaptive
             self.register_buffer("adaptive_aux_coeff", torch.tensor(
-                [cfg.balance_loss_coeffs.get("adaptive_aux_loss", 0.0)], dtype=torch.float32))
+                [cfg.balancing.loss_coeffs.get("adaptive_aux_loss", 0.0)], dtype=torch.float32))
         self.load = LoadTracker(E)
         # Set inside `megamoe.balancing.inference.tallying_inference_routing` only.
         self.inference_tally: Optional[InferenceTally] = None
@@ -95,10 +107,10 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, padding_mask_T: Optional[torch.Tensor] = None) -> Routing:
         """Route tokens; padded tokens (padding_mask_T True) go to no expert and are not counted."""
-        dtype = self.cfg.torch_router_dtype
+        dtype = self.cfg.router.torch_dtype
         logits_TE = F.linear(self.jitter(x_TD).to(dtype), self.weight.to(dtype))
-        if self.cfg.gate_logit_norm is not None:
-            logits_TE = normalise_logits(logits_TE, self.cfg.gate_logit_norm)
+        if self.cfg.router.gate_logit_norm is not None:
+            logits_TE = normalise_logits(logits_TE, self.cfg.router.gate_logit_norm)
         probs_TE = self.probabilities(logits_TE)
         real_T = None if padding_mask_T is None else ~padding_mask_T.reshape(-1)
         selected_TE, gates_TE = self.select(probs_TE, logits_TE, real_T)
@@ -113,7 +125,7 @@ class Router(nn.Module):
     def jitter(self, x_TD: torch.Tensor) -> torch.Tensor:
         """Training only: x * U(1 - eps, 1 + eps), the input jitter of the Switch Transformer
         (arXiv 2101.03961) as Megatron's `moe_input_jitter_eps` applies it to the router input."""
-        eps = self.cfg.input_jitter_eps
+        eps = self.cfg.router.input_jitter_eps
         if eps is None or not self.training:
             return x_TD
         noise = torch.empty_like(x_TD).uniform_(1.0 - eps, 1.0 + eps)
@@ -121,7 +133,7 @@ class Router(nn.Module):
 
     def probabilities(self, logits_TE: torch.Tensor) -> torch.Tensor:
         """Softmax over experts, or sigmoid scores (normalised per token for the balance loss)."""
-        if self.cfg.score_function == "softmax":
+        if self.cfg.router.score_function == "softmax":
             return torch.softmax(logits_TE, dim=-1)
         return torch.sigmoid(logits_TE)
 
@@ -135,6 +147,16 @@ class Router(nn.Module):
     def select(self, scores_TE: torch.Tensor, logits_TE: torch.Tensor,
                real_T: Optional[torch.Tensor] = None):
         raise NotImplementedError
+
+    def loss_coeffs(self) -> dict[str, float]:
+        """{name: weight} of the losses this router adds to the balance losses (its own
+        settings'; none here), only those with a weight > 0."""
+        return {}
+
+    def own_losses(self, routing: Routing, num_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """This router's own unweighted losses (those named by `loss_coeffs`) of a routing of
+        `num_tokens` real tokens over the token group."""
+        return {}
 
     def mix_output(self, x_TD: torch.Tensor, y_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The routed experts' combined output `y_TD` as the layer returns it (as is here)."""
@@ -160,8 +182,7 @@ class Router(nn.Module):
         if not self.counts_this_forward():
             return
         self.load.record(routing.selected_TE, routing.routing_map_TE, routing.probs_TE,
-                         routing.tokens_T)
-        self.load.record_losses(losses)
+                         routing.tokens_T, losses)
 
     def discard_step(self) -> None:
         """Forget this step's counts (a step abandoned before its update, e.g. rolled back)."""
@@ -170,19 +191,11 @@ class Router(nn.Module):
     def step_pending(self) -> bool:
         """Counts of a finished step still wait for `megamoe.balancing.step_balancing`: this
         router has its own per-step state (expert thresholds), Skywork's adaptive coefficient,
-        or an expert bias no host framework updated."""
+        or an expert bias its step owner leaves to `step_balancing`."""
         if self.load.empty:
             return False
         return (self.has_step_state or getattr(self, "adaptive_aux_coeff", None) is not None
-                or (self.bias_E is not None and not self.bias_updated_by_host))
-
-    @property
-    def bias_updated_by_host(self) -> bool:
-        """True when a host framework already applied this step's bias update (never here)."""
-        return False
-
-    def after_bias_update(self) -> None:
-        """Called by `step_balancing` after it updated the bias (nothing to do here)."""
+                or (self.bias_E is not None and self.step_owner.bias_by_step_balancing))
 
     def _apply(self, fn, recurse=True):
         """Move the fp32 buffers with the module but keep them in fp32 (a bf16 cast would erase

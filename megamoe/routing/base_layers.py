@@ -12,13 +12,17 @@ Shape legend: T tokens, N the group's real tokens, E experts, D hidden.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from megamoe.config import RouterConfig
+from megamoe.errors import ConfigError
 from megamoe.registry import ROUTERS
-from megamoe.routing.base import Router, Routing
+from megamoe.routing.base import Router, Routing, refuse_expert_bias
 from megamoe.routing.group import gather_group_logits, scatter_rows
+from megamoe.settings import model_setting
 
 
 def expert_slots(num_tokens: int, num_experts: int) -> torch.Tensor:
@@ -88,7 +92,25 @@ def _auction(z_NE: torch.Tensor, slots_E: torch.Tensor, prices_E: torch.Tensor,
         prices_E[full] = lowest[full]
 
 
-@ROUTERS.register("base")
+@dataclass
+class BaseRouterConfig(RouterConfig):
+    """The BASE-layers router's settings (one expert per token, gates sigmoid(logit))."""
+
+    score_function: str = model_setting("sigmoid")
+    """Only `sigmoid`: the router's gates are sigmoid(logit)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.require_score_function("sigmoid", "its gates are sigmoid(logit)")
+
+    def check_in(self, moe) -> None:
+        if moe.topk != 1:
+            raise ConfigError(f"topk={moe.topk} with router.kind='base': BASE layers send each "
+                              "token to one expert; set topk=1")
+        refuse_expert_bias(self, moe)
+
+
+@ROUTERS.register("base", config=BaseRouterConfig)
 class BaseLayersRouter(Router):
     """Balanced linear assignment in training, greedy top-1 at inference; sigmoid gates."""
 

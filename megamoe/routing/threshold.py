@@ -10,10 +10,10 @@ Gates are sigmoid(logit), not renormalised.
 Training: the micro-batch cutoffs of one optimizer step are averaged over the micro-batches and
 over every replica of the router (the same step hook and replica group as the loss-free bias,
 `megamoe.balancing.step_balancing`), then c <- beta * c + (1 - beta) * cutoff, bias-corrected
-like Adam (c / (1 - beta^t) after t updates). For the first `threshold_warmup_steps` steps
+like Adam (c / (1 - beta^t) after t updates). For the first `router.warmup_steps` steps
 routing is plain expert choice (each expert takes its k best tokens of the micro-batch). After
 that each expert takes between (1 - C) k and (1 + C) k of a micro-batch's tokens
-(`threshold_capacity` C): excess tokens with the lowest logits are dropped, a shortfall is
+(`router.capacity` C): excess tokens with the lowest logits are dropped, a shortfall is
 filled with the next-best tokens. Inference uses the frozen thresholds alone, so a token's
 routing never depends on other tokens (causal). The EMA and its update count are fp32 buffers:
 they are saved in checkpoints and replicated over every rank like the expert bias.
@@ -23,12 +23,52 @@ Shape legend: T tokens, E experts.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from megamoe.config import RouterConfig
+from megamoe.errors import ConfigError
 from megamoe.registry import ROUTERS
-from megamoe.routing.base import Router
+from megamoe.routing.base import Router, refuse_expert_bias
+from megamoe.settings import model_setting, training_setting
+
+
+@dataclass
+class ThresholdRouterConfig(RouterConfig):
+    """The expert-threshold router's settings (its gates are sigmoid(logit))."""
+
+    score_function: str = model_setting("sigmoid")
+    """Only `sigmoid`: the router's gates are sigmoid(logit)."""
+
+    ema_decay: float = training_setting(0.99)
+    """beta of the per-expert threshold EMA (the public code's 0.99; the paper uses 0.999 for
+    long runs)."""
+
+    warmup_steps: int = training_setting(100)
+    """Optimizer steps of plain expert-choice routing before the thresholds take over (the
+    paper warms up for about 4k steps of a long run)."""
+
+    capacity: Optional[float] = training_setting(0.5)
+    """Training only: each expert takes between (1 - C) and (1 + C) times its mean share
+    N * topk / E of a micro-batch's N tokens (excess dropped by logit, shortfall filled with the
+    next-best tokens). None: no bounds."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.require_score_function("sigmoid", "its gates are sigmoid(logit)")
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError(f"router.ema_decay={self.ema_decay} is outside [0, 1); use e.g. "
+                              "0.99")
+        if self.capacity is not None and not 0.0 <= self.capacity < 1.0:
+            raise ConfigError(f"router.capacity={self.capacity} is outside [0, 1); use e.g. 0.5, "
+                              "or None for no bounds")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"router.warmup_steps={self.warmup_steps} must be >= 0")
+
+    def check_in(self, moe) -> None:
+        refuse_expert_bias(self, moe)
 
 
 def kth_largest(logits_TE: torch.Tensor, k: int, real_T: torch.Tensor) -> torch.Tensor:
@@ -47,7 +87,7 @@ def column_ranks(logits_TE: torch.Tensor, real_T: torch.Tensor) -> torch.Tensor:
     return ranks_TE
 
 
-@ROUTERS.register("threshold")
+@ROUTERS.register("threshold", config=ThresholdRouterConfig)
 class ThresholdRouter(Router):
     """Expert-threshold router: token t goes to expert i iff logit r_ti >= c_i."""
 
@@ -63,7 +103,7 @@ class ThresholdRouter(Router):
     @property
     def thresholds_E(self) -> torch.Tensor:
         """The bias-corrected thresholds c / (1 - beta^t) (meaningful once t >= 1)."""
-        beta = self.cfg.threshold_ema_decay
+        beta = self.cfg.router.ema_decay
         correction = 1.0 - beta ** self.threshold_updates.clamp_min(1.0)
         return self.threshold_ema / correction
 
@@ -81,12 +121,12 @@ class ThresholdRouter(Router):
         k = self.expert_share(num_real)
         if self.counts_this_forward():
             self._add_cutoffs(kth_largest(logits_TE, k, real_T))
-        warming_up = self.threshold_updates.item() < max(self.cfg.threshold_warmup_steps, 1)
+        warming_up = self.threshold_updates.item() < max(self.cfg.router.warmup_steps, 1)
         if self.training and warming_up or not self.training and self.threshold_updates.item() == 0:
             selected_TE = column_ranks(logits_TE, real_T) < k  # expert choice
         else:
             selected_TE = logits_TE >= self.thresholds_E
-            if self.training and self.cfg.threshold_capacity is not None:
+            if self.training and self.cfg.router.capacity is not None:
                 selected_TE = self.bounded(selected_TE, logits_TE, real_T, k)
         selected_TE = selected_TE & real_T.unsqueeze(1)
         return selected_TE, scores_TE * selected_TE
@@ -94,7 +134,7 @@ class ThresholdRouter(Router):
     def bounded(self, selected_TE, logits_TE, real_T, k: int) -> torch.Tensor:
         """Training capacity bounds: each expert keeps its best floor((1 + C) k) tokens at most
         and takes its best ceil((1 - C) k) tokens at least."""
-        C = self.cfg.threshold_capacity
+        C = self.cfg.router.capacity
         ranks_TE = column_ranks(logits_TE, real_T)
         upper, lower = math.floor((1.0 + C) * k), math.ceil((1.0 - C) * k)
         return (selected_TE & (ranks_TE < upper)) | (ranks_TE < lower)
@@ -120,7 +160,7 @@ class ThresholdRouter(Router):
         self._cutoffs = None
         if summed is None or float(summed[-1]) == 0:
             return
-        beta = self.cfg.threshold_ema_decay
+        beta = self.cfg.router.ema_decay
         mean_E = summed[:-1] / summed[-1]
         self.threshold_ema.mul_(beta).add_((1.0 - beta) * mean_E)
         self.threshold_updates += 1

@@ -7,10 +7,68 @@ top-k experts inside them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
+from megamoe.config import RouterConfig
+from megamoe.errors import ConfigError
 from megamoe.registry import ROUTERS
 from megamoe.routing.base import Router
+from megamoe.settings import model_setting
+
+
+@dataclass
+class TopKRouterConfig(RouterConfig):
+    """The top-k router's settings: group-limited routing on top of the common ones."""
+
+    num_groups: Optional[int] = model_setting(None)
+    """Group-limited routing (DeepSeek-V2/V3): split the experts into this many equal groups
+    (devices or nodes). None disables it."""
+
+    groups_per_token: Optional[int] = model_setting(None)
+    """Group-limited routing: how many groups a token may pick its experts from."""
+
+    group_score_topk: Optional[int] = model_setting(None)
+    """Group-limited routing: a group's score is the sum of its this-many best (biased) expert
+    scores (DeepSeek-V3: 2, whatever its top-k). None takes Megatron-Core's rule, topk /
+    groups_per_token, which needs topk to be a multiple of groups_per_token."""
+
+    def check_in(self, moe) -> None:
+        """The groups split the layer's experts and hold at least top-k of them."""
+        if (self.num_groups is None) != (self.groups_per_token is None):
+            raise ConfigError(f"router.num_groups={self.num_groups}, router.groups_per_token="
+                              f"{self.groups_per_token}: group-limited routing needs both set "
+                              "(or both None)")
+        if self.num_groups is None:
+            return
+        if self.num_groups <= 0 or moe.num_experts % self.num_groups:
+            raise ConfigError(f"router.num_groups={self.num_groups} does not divide num_experts="
+                              f"{moe.num_experts}; pick a divisor of num_experts")
+        if not 0 < self.groups_per_token <= self.num_groups:
+            raise ConfigError(f"router.groups_per_token={self.groups_per_token} must be in "
+                              f"1..router.num_groups={self.num_groups}")
+        if self.group_score_topk is None and moe.topk % self.groups_per_token:
+            raise ConfigError(
+                f"topk={moe.topk} is not a multiple of router.groups_per_token="
+                f"{self.groups_per_token}; a group is scored by its best topk/groups_per_token "
+                "experts unless router.group_score_topk says how many")
+        experts_per_group = moe.num_experts // self.num_groups
+        if self.group_score_topk is not None and not (
+                0 < self.group_score_topk <= experts_per_group):
+            raise ConfigError(f"router.group_score_topk={self.group_score_topk} must be in "
+                              f"1..{experts_per_group} (the experts of one group)")
+        experts_in_chosen_groups = self.groups_per_token * experts_per_group
+        if moe.topk > experts_in_chosen_groups:
+            raise ConfigError(f"topk={moe.topk} exceeds the {experts_in_chosen_groups} experts in "
+                              f"router.groups_per_token={self.groups_per_token} groups; raise "
+                              "router.groups_per_token")
+
+    def experts_scoring_a_group(self, topk: int) -> int:
+        """How many of a group's best expert scores add up to its score (`group_score_topk`,
+        else topk / groups_per_token)."""
+        return self.group_score_topk or topk // self.groups_per_token
 
 
 def group_limited_mask(scores_TE: torch.Tensor, num_groups: int, groups_per_token: int,
@@ -24,7 +82,7 @@ def group_limited_mask(scores_TE: torch.Tensor, num_groups: int, groups_per_toke
     return best_groups_TG.repeat_interleave(E // num_groups, dim=1)
 
 
-@ROUTERS.register("topk")
+@ROUTERS.register("topk", config=TopKRouterConfig)
 class TopKRouter(Router):
     """Each token picks the k experts with the highest (biased) scores.
 
@@ -34,18 +92,18 @@ class TopKRouter(Router):
     """
 
     def select(self, scores_TE, logits_TE, real_T=None):
-        cfg = self.cfg
+        cfg, topk = self.cfg.router, self.cfg.topk
         choice_TE = self.selection_scores(scores_TE)
         if cfg.num_groups is not None:
             allowed_TE = group_limited_mask(choice_TE, cfg.num_groups, cfg.groups_per_token,
-                                            cfg.experts_scoring_a_group)
+                                            cfg.experts_scoring_a_group(topk))
             choice_TE = choice_TE.masked_fill(~allowed_TE, float("-inf"))
-        topk_idx_TK = choice_TE.topk(cfg.topk, dim=-1).indices
+        topk_idx_TK = choice_TE.topk(topk, dim=-1).indices
         selected_TE = torch.zeros_like(scores_TE, dtype=torch.bool)
         selected_TE.scatter_(1, topk_idx_TK, True)
         gates_TE = scores_TE * selected_TE
         renormalise = (cfg.score_function == "softmax" and not cfg.pre_softmax) or (
-            cfg.score_function == "sigmoid" and cfg.topk > 1)
+            cfg.score_function == "sigmoid" and topk > 1)
         if renormalise:
             gates_TE = gates_TE / gates_TE.sum(-1, keepdim=True).clamp_min(1e-20)
         if cfg.topk_scaling_factor is not None:

@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
                                description=__doc__.split("\n\n")[0],
                                epilog="Overrides: section.key=value, e.g. "
                                       "training.train_steps=20 output_dir=runs/x; see "
-                                      "megamoe/train/config.py for every key.")
+                                      "megamoe/train/settings/ for every key.")
     parser.add_argument("--config", required=True, help="the run's YAML config, e.g. "
                         "configs/tiny_cpu.yaml")
     parser.add_argument("overrides", nargs="*", metavar="key=value",

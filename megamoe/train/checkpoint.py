@@ -38,6 +38,10 @@ rows added (zeros) or dropped (megamoe.checkpointing.safe_dcp `_check_global_sha
 `init_from` loads only model weights, e.g. from tools/upcycle_ckpt.py (a Megatron-LM style root
 with `latest_checkpointed_iteration.txt`) or a torch_dist folder, into a model of the shapes the
 checkpoint records (checkpoint_shapes names a setting that differs).
+
+A resumed run may change the training settings of its model (checkpoint_schema: a coefficient,
+a rate, the dispatcher, dropout) but no model setting; `check_start` refuses the latter before
+anything is built and returns the former, which the loop announces and records once.
 """
 from __future__ import annotations
 
@@ -68,9 +72,10 @@ from megamoe.checkpointing.safe_dcp import (FAILURES, METADATA_FILE, common_stat
 from megamoe.checkpointing.torch_files import first_line
 from megamoe.errors import CheckpointError, MegaMoEError
 from megamoe.megatron import compat
-from megamoe.train.checkpoint_schema import (FORMAT_VERSION, TOKENIZER_KEY, check_compatible,
-                                             is_megamoe_state, saved_position, upgraded)
-from megamoe.train.checkpoint_shapes import check_weights_fit
+from megamoe.train.checkpoint_schema import (FORMAT_VERSION, TOKENIZER_KEY, SettingChange,
+                                             check_compatible, is_megamoe_state, saved_position,
+                                             training_changes, upgraded)
+from megamoe.train.checkpoint_shapes import check_weights_fit, recorded_sections
 from megamoe.train.checkpoint_tokenizer import (check_checkpoint_tokenizer, tokenizer_record,
                                                 write_checkpoint_files)
 from megamoe.train.config import TrainConfig
@@ -79,6 +84,7 @@ from megamoe.train.megatron_lm_state import (check_megatron_lm_args, is_megatron
                                              megatron_lm_common, train_state_of)
 from megamoe.train.model import sharded_state_metadata
 from megamoe.train.schedule import LRSchedule
+from megamoe.train.settings.optimizer import check_resumed_optimizer
 
 # Files every torch_dist checkpoint has; the common state is `common.pt` (megatron-core <= 0.18)
 # or a sharded object inside the `.distcp` files (>= 0.19), see `common_state_problem`.
@@ -474,18 +480,28 @@ def resolve_weights_dir(path: str | Path) -> Path:
 
 
 def check_start(folder: Path, tokenizer, config: TrainConfig,
-                init_from: bool = False) -> Optional[int]:
+                init_from: bool = False) -> tuple[Optional[int], list[SettingChange]]:
     """Before a run builds anything from the checkpoint `folder` (resumed or, with `init_from`,
     its weights taken): verify it, refuse it in one line when it records another tokenizer than
-    the run's `tokenizer` (`check_checkpoint_tokenizer`) or, for `init_from`, a model of other
-    shapes (`check_weights_fit`), and return the rows of its word embedding
-    (`embedding_rows`)."""
+    the run's `tokenizer` (`check_checkpoint_tokenizer`), a changed model setting (resumed,
+    `check_compatible`) or a model of other shapes (`init_from`, `check_weights_fit`). Returns
+    the rows of its word embedding (`embedding_rows`) and the training settings the config
+    changes from those the checkpoint records, for the run to announce."""
     require_verified(folder)
     common = load_common_state(folder)
     if init_from:
         check_weights_fit(common, config, folder)
+        sections = recorded_sections(common, folder)
+        changes = ([] if sections is None else training_changes(
+            sections, config, folder, recorded_only=not is_megamoe_state(common)))
+    elif is_megamoe_state(common):
+        saved_config = upgraded(common, folder).get("config")
+        check_resumed_optimizer(saved_config, config.optimizer.name, folder)
+        changes = check_compatible(saved_config, config, folder)
+    else:
+        changes = []  # Megatron-LM's records its args, checked when it loads
     check_checkpoint_tokenizer(common, folder, tokenizer, config, _rank0())
-    return embedding_rows(folder)
+    return embedding_rows(folder), changes
 
 
 def embedding_rows(folder: Path) -> Optional[int]:

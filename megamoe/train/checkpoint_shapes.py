@@ -20,14 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from megamoe.checkpointing.layout import CONVERTED_MODEL_KEY
-from megamoe.config import moe_layer_pattern
-from megamoe.errors import CheckpointError, MegaMoEError
-from megamoe.train.checkpoint_schema import is_megamoe_state, upgraded
-from megamoe.train.config import TrainConfig, config_from_dict
+from megamoe.config import moe_layer_pattern, nest_flat_settings
+from megamoe.errors import CheckpointError
+from megamoe.settings import flat_values
+from megamoe.train.checkpoint_schema import is_megamoe_state, saved_settings, upgraded
+from megamoe.train.config import TrainConfig
 from megamoe.train.megatron_lm_state import check_megatron_lm_args, is_megatron_lm_checkpoint
 
 _MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
-_EXPERT_SIZES = ("num_experts", "ffn_hidden_size", "shared_expert_ffn_size")
+_EXPERT_SIZES = ("num_experts", "ffn_hidden_size", "shared_expert.ffn_hidden_size")
 
 
 def check_weights_fit(common: dict, config: TrainConfig, path: Path) -> None:
@@ -35,15 +36,12 @@ def check_weights_fit(common: dict, config: TrainConfig, path: Path) -> None:
     checkpoint `path` (common state `common`) into the model of `config` when the checkpoint
     records a model of other shapes. A checkpoint recording no settings passes (its load names
     the tensors that differ)."""
-    if is_megamoe_state(common):
-        sections = upgraded(common, path).get("config")
-    else:
-        sections = common.get(CONVERTED_MODEL_KEY)
-        if sections is None:
-            if is_megatron_lm_checkpoint(common):
-                check_megatron_lm_args(common, config, path)
-            return
-    saved = _saved_config(sections, path)
+    sections = recorded_sections(common, path)
+    if sections is None and not is_megamoe_state(common):
+        if is_megatron_lm_checkpoint(common):
+            check_megatron_lm_args(common, config, path)
+        return
+    saved = saved_settings(sections, path)
     for (name, old, old_shape), (run_name, new, new_shape) in zip(shape_settings(saved),
                                                                   shape_settings(config)):
         if old_shape != new_shape and old != new:
@@ -54,18 +52,18 @@ def check_weights_fit(common: dict, config: TrainConfig, path: Path) -> None:
                 f"{name}={old!r} (or train without checkpoint.init_from)")
 
 
-def _saved_config(sections: Any, path: Path) -> TrainConfig:
-    """The model and moe sections a checkpoint records, read as a training config."""
-    if not (isinstance(sections, dict) and isinstance(sections.get("model"), dict)
-            and isinstance(sections.get("moe"), dict)):
-        raise CheckpointError(f"{path}: its common state's model settings are not a config's "
-                              "model and moe sections; the checkpoint is corrupt")
-    try:
-        return config_from_dict({"model": sections["model"], "moe": sections["moe"]},
-                                f"in the common state of {path}")
-    except MegaMoEError as err:
-        raise CheckpointError(f"{path} records model settings this megamoe cannot build ({err}); "
-                              "use the megamoe release that wrote it") from None
+def recorded_sections(common: dict, path: Path) -> Any:
+    """The `model` and `moe` sections (and whatever else) a checkpoint's common state records,
+    in the current format: a megamoe training checkpoint's `config` upgraded from its format
+    (`checkpoint_schema.upgraded`), a converter's `megamoe_model` with the flat MoE settings of
+    older converters nested (`nest_flat_settings`); None when it records neither (or a
+    training checkpoint's has none: corrupt). Their shape is not checked here."""
+    if is_megamoe_state(common):
+        return upgraded(common, path).get("config")
+    sections = common.get(CONVERTED_MODEL_KEY)
+    if isinstance(sections, dict) and isinstance(sections.get("moe"), dict):
+        sections = {**sections, "moe": nest_flat_settings(sections["moe"])}
+    return sections
 
 
 def shape_settings(config: TrainConfig) -> list[tuple[str, Any, Any]]:
@@ -73,10 +71,11 @@ def shape_settings(config: TrainConfig) -> list[tuple[str, Any, Any]]:
     (name, value, what of the model it decides). Two configs build the same tensors when every
     entry decides the same; where one decides differently, the first entry whose value differs
     too names the setting (the MoE layer pattern is decided by `first_k_dense` and
-    `moe_layer_freq` together, the expert MLP's shape by whether `activation` is gated). A
-    setting appears only where it builds a tensor (the MLA sizes with latent attention, the
-    dense MLP with a dense layer, the MoE settings per MoE layer), and what an entry depends on
-    is listed before it, so two configs' lists agree up to their first difference."""
+    `moe_layer_freq` together, the expert MLP's shape by whether `experts.activation` is
+    gated). A setting appears only where it builds a tensor (the MLA sizes with latent
+    attention, the dense MLP with a dense layer, the MoE settings per MoE layer), and what an
+    entry depends on is listed before it, so two configs' lists agree up to their first
+    difference."""
     m = config.model
     heads = m.num_attention_heads
     items = [("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
@@ -108,14 +107,15 @@ def shape_settings(config: TrainConfig) -> list[tuple[str, Any, Any]]:
 def _expert_settings(config: TrainConfig, layer: int) -> list[tuple[str, Any, Any]]:
     """The MoE settings that shape MoE layer `layer`, named as its override where it has one."""
     moe = config.moe_config(layer)
-    override = config.moe.get("layer_overrides", {}).get(layer, {})
+    override = flat_values(config.moe.layer_overrides.get(layer, {}))
+    values = flat_values(moe.to_dict())
 
-    def named(key: str) -> str:
-        return f"moe.layer_overrides.{layer}.{key}" if key in override else f"moe.{key}"
+    def setting(key: str, decides: Any = None) -> tuple[str, Any, Any]:
+        name = f"moe.layer_overrides.{layer}.{key}" if key in override else f"moe.{key}"
+        return name, values[key], values[key] if decides is None else decides
 
-    settings = [(named(key), getattr(moe, key), getattr(moe, key)) for key in _EXPERT_SIZES]
-    if moe.shared_expert_ffn_size:
-        settings.append((named("shared_expert_gate"), moe.shared_expert_gate,
-                         moe.shared_expert_gate))
-    settings.append((named("activation"), moe.activation, moe.gated))
+    settings = [setting(key) for key in _EXPERT_SIZES]
+    if moe.shared_expert.ffn_hidden_size:
+        settings.append(setting("shared_expert.gate"))
+    settings.append(setting("experts.activation", moe.experts.gated))
     return settings

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from megamoe.errors import ConfigError, DataError, MegaMoEError
 from megamoe.megatron import compat
-from megamoe.train.config import check_blend_weights, split_weights
+from megamoe.train.settings.data import check_blend_weights, split_weights
 from megamoe.train.indexed_check import check_indexed_dataset
 from megamoe.train.tokenizer import Tokenizer
 

@@ -5,8 +5,10 @@ Each model chunk (one per virtual pipeline stage; bf16 through Megatron's Float1
 is wrapped in Megatron-Core's DistributedDataParallel: expert parameters
 (`param.allreduce == False`) reduce over the expert-data-parallel group, the rest over the
 data-parallel group, and the distributed optimizer (Adam with fp32 main weights, sharded over
-data-parallel ranks) updates them. Its step is taken in two halves (`grad_norm`, `step`) so the
-loop's divergence guards see the clipped global norm before any weight changes. Micro-batches run
+data-parallel ranks) updates them; with `optimizer.name: muon`, Muon and Adam in Megatron's
+non-distributed wrappers over all-reduced gradients (`megamoe.train.muon_optimizer`). Its step
+is taken in two halves (`grad_norm`, `step`) so the loop's divergence guards see the clipped
+global norm before any weight changes. Micro-batches run
 through `get_forward_backward_func()` (no pipelining, 1F1B, or interleaved 1F1B with virtual
 stages), whose `finalize_model_grads` finishes the gradient reduction (data-parallel
 reduce-scatter, sequence-parallel and tied-embedding all-reduces). Megatron's conventions: a
@@ -45,6 +47,8 @@ from megamoe.megatron.layer_seeds import LayerSeeds
 from megamoe.megatron.masks import attention_mask_for
 from megamoe.train.config import TrainConfig
 from megamoe.train.data import Batch
+from megamoe.train.muon_optimizer import muon_optimizer
+from megamoe.train.qk_clip import QKClip
 
 # Keys of the optimizer state are the parameters' own (no `chained_N.` prefix): the number and
 # order of chained optimizers differ between layouts (a stage without experts has an empty one).
@@ -81,22 +85,28 @@ class Engine:
             if on_cuda:
                 for chunk in chunks:
                     chunk.cuda(torch.cuda.current_device())
+            opt = config.optimizer
+            # Muon orthogonalises whole matrices: gradients all-reduced, no flat sharding
+            # (megamoe.train.muon_optimizer).
+            distributed = opt.name != "muon"
             ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                       use_distributed_optimizer=True,
+                                                       use_distributed_optimizer=distributed,
                                                        overlap_grad_reduce=False)
             self.ddp = [DistributedDataParallel(
                 config=tc, ddp_config=ddp_config,
                 module=Float16Module(tc, chunk) if tc.bf16 else chunk,
                 # Only the first chunk's buckets may skip padding (as Megatron-LM).
                 disable_bucketing=index > 0) for index, chunk in enumerate(chunks)]
-            opt = config.optimizer
-            self.optimizer = get_megatron_optimizer(
-                OptimizerConfig(optimizer="adam", lr=opt.lr, min_lr=opt.min_lr,
-                                weight_decay=opt.weight_decay, adam_beta1=opt.beta1,
-                                adam_beta2=opt.beta2, adam_eps=opt.eps, bf16=tc.bf16,
-                                params_dtype=tc.params_dtype, use_distributed_optimizer=True,
-                                clip_grad=config.training.grad_clip),
-                self.ddp)
+            adam = OptimizerConfig(optimizer="adam", lr=opt.lr, min_lr=opt.min_lr,
+                                   weight_decay=opt.weight_decay, adam_beta1=opt.beta1,
+                                   adam_beta2=opt.beta2, adam_eps=opt.eps, bf16=tc.bf16,
+                                   params_dtype=tc.params_dtype,
+                                   use_distributed_optimizer=distributed,
+                                   clip_grad=config.training.grad_clip)
+            self.optimizer = (get_megatron_optimizer(adam, self.ddp) if distributed
+                              else muon_optimizer(opt, adam, self.ddp))
+        threshold = config.optimizer.qk_clip_threshold
+        self.qk_clip = QKClip(chunks, threshold) if threshold is not None else None
         tc.grad_scale_func = self.optimizer.scale_loss
         no_sync = [ddp.no_sync for ddp in self.ddp]
         tc.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
@@ -161,9 +171,11 @@ class Engine:
             self.optimizer.prepare_grads()  # bf16 or fp32: no loss scaler, nothing to skip
             return torch.as_tensor(self.optimizer.get_grad_norm(), dtype=torch.float32).cpu()
 
-    def step(self, norm: torch.Tensor) -> None:
+    def step(self, norm: torch.Tensor) -> dict[str, float]:
         """The second half of Megatron's `optimizer.step()`: clip every chained optimizer's main
-        gradients by the global norm `norm` (as `ChainedOptimizer.step`), then update."""
+        gradients by the global norm `norm` (as `ChainedOptimizer.step`), then update; with
+        `optimizer.qk_clip_threshold`, MuonClip's QK-clip after the update, returning each
+        layer's max attention logit of the step (megamoe.train.qk_clip), else {}."""
         with self.device_context():
             if self.config.training.grad_clip > 0:
                 for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
@@ -172,6 +184,9 @@ class Engine:
                         clip_grad_by_total_norm_fp32(parameters, self.config.training.grad_clip,
                                                      float(norm))
             self.optimizer.step_with_ready_grads()
+            if self.qk_clip is not None:
+                return self.qk_clip.apply(self.optimizer)
+        return {}
 
     def model_weights_changed(self) -> None:
         """Copy freshly loaded model weights into the optimizer's fp32 main weights."""

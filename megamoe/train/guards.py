@@ -185,20 +185,20 @@ def nonfinite(*values: float) -> bool:
 
 
 def poison_parameter(model: torch.nn.Module, prefix: str) -> str:
-    """Testing (`guards.debug_nan_step`): set element 0 of the first parameter whose name starts
-    with `prefix` to NaN; returns the parameter's name."""
+    """Fault tests (`megamoe.train.faults`): set element 0 of the first parameter whose name
+    starts with `prefix` to NaN; returns the parameter's name."""
     for name, param in model.named_parameters():
         if name.startswith(prefix):
             with torch.no_grad():
                 param.view(-1)[0] = float("nan")
             return name
     names = sorted({re.sub(r"\.\d+\.", ".N.", n) for n, _ in model.named_parameters()})
-    raise ConfigError(f"guards.debug_nan_param={prefix!r} matches no parameter; names look "
-                      f"like {', '.join(names[:6])}, ...")
+    raise ConfigError(f"nan_param={prefix!r} (MEGAMOE_TEST_FAULTS) matches no parameter; "
+                      f"names look like {', '.join(names[:6])}, ...")
 
 
 def poison_batch(batch):
-    """Testing (`guards.debug_spike_step`): the batch with every label set to token 0 (the
+    """Fault tests (`megamoe.train.faults`): the batch with every label set to token 0 (the
     tokenizer's unknown piece, which the data never asks for), so its loss jumps once the model
     has learnt the data's token statistics."""
     return batch._replace(labels=torch.zeros_like(batch.labels))

@@ -11,7 +11,8 @@ One optimizer step:
    alike: a non-finite value stops the run (exit code 3, nothing saved), a loss spike stops it
    or rolls back to the latest checkpoint and skips the spiking step's batch;
 5. `step_balancing`: routing counts all-reduced over each router's replica group, expert biases
-   updated, per-layer MoE metrics (once per step, after the gradients are final);
+   updated at the step's rate (`balancing.bias_update_schedule`), per-layer MoE metrics (once
+   per step, after the gradients are final);
 6. clipped optimizer step;
 7. metrics, then a checkpoint every `checkpoint.interval` steps, at the end, and on a signal
    (after which the run exits 0 so SLURM can requeue it).
@@ -40,6 +41,7 @@ from megamoe.train.checkpoint import (check_start, load_checkpoint, load_model_w
 from megamoe.train.config import TrainConfig, dump_config
 from megamoe.train.engine import Engine
 from megamoe.train.evaluate import HeldOutLoss
+from megamoe.train.faults import VARIABLE, InjectedFaults, injected_faults
 from megamoe.train.guards import (
     DivergenceError,
     LossSpikeGuard,
@@ -139,6 +141,8 @@ class _Run:
     """The run's data and its tokenizer (`inputs.data_sources`), recorded in each checkpoint."""
     origin: Optional[Path]
     """The checkpoint folder the run started from (resumed or `init_from`), if any."""
+    faults: InjectedFaults
+    """What the fault tests inject (nothing in a real run)."""
 
 
 def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
@@ -153,13 +157,14 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
           f"{parallel_state.get_expert_model_parallel_rank()}, output {config.output_dir}",
           flush=True)
 
+    faults = injected_faults()
     prefixes, tokenizer = data_sources(config)
     resume_from = resume_checkpoint(config)
     init_from = (resolve_weights_dir(config.checkpoint.init_from)
                  if resume_from is None and config.checkpoint.init_from else None)
     start = resume_from or init_from
-    rows = (check_start(start, tokenizer, config, init_from=init_from is not None)
-            if start is not None else None)
+    rows, changes = (check_start(start, tokenizer, config, init_from=init_from is not None)
+                     if start is not None else (None, []))
     # released models pad their vocabulary (Qwen3-MoE: 151,936 rows for 151,669 ids): the model
     # takes the rows of the checkpoint it starts from, so its weights (and export) keep them
     vocab_size = max(tokenizer.vocab_size, rows or 0)
@@ -202,6 +207,8 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
         f"{f' x {p.virtual_stages} virtual' if p.virtual_stages > 1 else ''}), "
         f"{_trainable_summary(model)} on rank 0, starting from {origin}; data tokenized with "
         f"{tokenizer.describe()}; output in {config.output_dir}")
+    for change in changes:  # training settings changed from the checkpoint's, announced once
+        logger.setting_changed(state.iteration + 1, *change)
 
     def batches_from(start_sample: int) -> Iterator:
         if instructions is not None:
@@ -210,7 +217,7 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
 
     return _Run(config, model, engine, state, batches_from(state.consumed_samples),
                 batches_from, num_microbatches, pgs, device, logger, method, evaluation,
-                prefixes, tokenizer, start)
+                prefixes, tokenizer, start, faults)
 
 
 def _train(run: _Run, stop: StopRequest) -> None:
@@ -234,7 +241,7 @@ def _train(run: _Run, stop: StopRequest) -> None:
             for _ in range(run.num_microbatches):
                 next(run.batches)
             state = TrainState(state.iteration, state.consumed_samples + batch_size)
-        batches = _debug_faults(run, step, state.consumed_samples)
+        batches = _inject_faults(run, step, state.consumed_samples)
         lr = schedule(step)
         set_learning_rate(engine.optimizer, lr)
         if tracer is not None:
@@ -261,8 +268,8 @@ def _train(run: _Run, stop: StopRequest) -> None:
             rollbacks += 1
             continue
         spikes.accept(step, loss)
-        moe_metrics = step_balancing(run.model, replica_comm)
-        engine.step(grad_norm)
+        moe_metrics = step_balancing(run.model, replica_comm, step=step)
+        moe_metrics.update(engine.step(grad_norm))
         if run.method is not None:
             moe_metrics.update(run.method.after_step(run.model))
         state = TrainState(step, state.consumed_samples + batch_size)
@@ -289,17 +296,17 @@ def _train(run: _Run, stop: StopRequest) -> None:
             return
 
 
-def _debug_faults(run: _Run, step: int, position: int) -> Iterator:
-    """The step's batches, after the testing faults of `guards.debug_*` (if any) are injected:
-    a NaN weight before step `debug_nan_step`, random labels for the batch at the data position
-    of step `debug_spike_step` of an uninterrupted run."""
-    guards = run.config.guards
-    if step == guards.debug_nan_step:
-        name = poison_parameter(run.model, guards.debug_nan_param)
-        run.logger.message(f"guards.debug_nan_step={step}: set an element of {name} to NaN")
-    if guards.debug_spike_step and \
-            position == (guards.debug_spike_step - 1) * run.config.training.global_batch_size:
-        run.logger.message(f"guards.debug_spike_step: labels 0 for the batch at sample "
+def _inject_faults(run: _Run, step: int, position: int) -> Iterator:
+    """The step's batches, after the fault tests' faults (`megamoe.train.faults`, if any) are
+    injected: a NaN weight before step `nan_step`, labels 0 for the batch at the data position
+    of step `spike_step` of an uninterrupted run."""
+    faults = run.faults
+    if step == faults.nan_step:
+        name = poison_parameter(run.model, faults.nan_param)
+        run.logger.message(f"{VARIABLE} nan_step={step}: set an element of {name} to NaN")
+    if faults.spike_step and \
+            position == (faults.spike_step - 1) * run.config.training.global_batch_size:
+        run.logger.message(f"{VARIABLE} spike_step: labels 0 for the batch at sample "
                            f"{position} (step {step})")
         return (poison_batch(batch) for batch in run.batches)
     return run.batches

@@ -6,7 +6,9 @@ Every step appends one JSON object to OUTPUT_DIR/metrics.jsonl: `step`, `loss`, 
 `.../dropped_fraction`, `.../load` as a list of per-expert fractions, ...). A resumed run appends
 to the same file, so a step may appear twice after a crash; readers keep the last record of each
 step (tools/plot_expert_load.py does). Lines with an `event` key are not step metrics but what
-happened to the run (`nonfinite`, `loss_spike`, `rollback`; see megamoe.train.guards). Every `logging.interval` steps a line goes to the console
+happened to the run (`nonfinite`, `loss_spike`, `rollback`, see megamoe.train.guards; `setting`,
+a training setting changed from the checkpoint the run started from, in effect from `step`, with
+`setting`, `old` and `new`). Every `logging.interval` steps a line goes to the console
 and the scalars to TensorBoard (OUTPUT_DIR/tensorboard) and wandb (online when an API key is
 configured, else offline into OUTPUT_DIR/wandb).
 """
@@ -113,6 +115,12 @@ class MetricsLogger:
         self.jsonl.flush()
         if echo:
             self.message(text)
+
+    def setting_changed(self, step: int, name: str, old, new) -> None:
+        """Training setting `name` changed from `old` (the checkpoint's) to `new` from `step` on:
+        `setting NAME: OLD -> NEW (from step N)` on the console and a `setting` event."""
+        self.event(step, "setting", f"setting {name}: {old} -> {new} (from step {step})",
+                   setting=name, old=old, new=new)
 
     def message(self, text: str) -> None:
         """A line for the user (rank 0), kept clear of the progress bar."""

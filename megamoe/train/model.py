@@ -1,14 +1,15 @@
 """The GPT model of a training run: a Megatron-Core GPTModel with megamoe layers in the MLP slots.
 
 `transformer_config` maps the run's `model`, `moe`, `parallel` and `training` sections onto
-Megatron-Core's TransformerConfig; the MoE settings reach every megamoe layer complete through
-the decoder block spec (`gpt_decoder_block_spec`), so MoEConfig's defaults apply, not Megatron's.
-Megatron's own expert-bias update stays off (`moe_router_enable_expert_bias=False`): megamoe's
-`step_balancing` updates the biases once per optimizer step.
+Megatron-Core's TransformerConfig, whose MoE fields say what Megatron-Core itself acts on
+(`megamoe.megatron.fields.HOST_LINKS`). Every megamoe layer is configured by its MoEConfig
+object, which the decoder block spec carries into it (`gpt_decoder_block_spec`). Who ends each
+step's balancing is decided here, once: megamoe's `step_balancing`, which the loop calls once
+per optimizer step (`StepOwner.STEP_BALANCING`), so Megatron's own expert-bias update stays off
+(`moe_router_enable_expert_bias=False`).
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -18,10 +19,16 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-from megamoe.megatron.seeded_init import initialise_weights
+from megamoe.balancing.owner import StepOwner
 from megamoe.config import moe_layer_pattern
+from megamoe.megatron.fields import HOST_LINKS, transformer_config_settings
+from megamoe.megatron.seeded_init import initialise_weights
 from megamoe.megatron.specs import gpt_decoder_block_spec, transformer_engine_available
 from megamoe.train.config import TrainConfig, yarn_settings
+
+
+STEP_OWNER = StepOwner.STEP_BALANCING
+"""The trainer's loop calls `step_balancing` once per optimizer step (`megamoe.train.loop`)."""
 
 
 def padded_vocab_size(vocab_size: int, config: TrainConfig) -> int:
@@ -65,14 +72,13 @@ def transformer_config(config: TrainConfig, on_cuda: bool, bf16: bool) -> Transf
         # gloo has no batched (coalesced) point-to-point; one op at a time works on both.
         batch_p2p_comm=on_cuda,
         **_recompute_settings(config),
-        num_moe_experts=moe.num_experts,
-        moe_ffn_hidden_size=moe.ffn_hidden_size,
-        moe_router_topk=moe.topk,
-        # The layers take their routing settings from the spec; this only keeps Megatron's
-        # softmax top-1 check off top-1 routers it does not know (threshold, BASE, Sinkhorn).
-        moe_router_pre_softmax=True,
+        # Only the MoE settings Megatron-Core acts on around megamoe's layers (expert counts and
+        # sizes, the balancing it would do in finalize_model_grads): Megatron builds no router,
+        # dispatcher or experts of its own here, so its router fields keep their defaults and
+        # its checks of its own router (e.g. "softmax top-1 needs --moe-router-pre-softmax")
+        # are not made of megamoe's routers, which the spec's MoEConfig objects configure.
+        **transformer_config_settings(moe, STEP_OWNER, HOST_LINKS),
         moe_layer_freq=moe_layer_freq(config),
-        moe_router_enable_expert_bias=False,
         use_cpu_initialization=not on_cuda,
         # What the decoder spec builds; Megatron's modules that pick their own implementation
         # (0.19's MLA latent norms) then pick the local one without Transformer Engine.
@@ -128,14 +134,7 @@ def moe_layer_freq(config: TrainConfig) -> int | list[int]:
 def sharded_state_metadata(config: TrainConfig) -> Optional[dict]:
     """Metadata for `GPTModel.sharded_state_dict`: per-layer keys when MoE layers differ in
     shape (`moe.layer_overrides`), since a stacked layer axis needs equal shapes."""
-    return {"non_homogeneous_layers": True} if config.moe["layer_overrides"] else None
-
-
-def _moe_settings(config: TrainConfig, layer: int | None = None) -> dict:
-    """Every MoEConfig field of a layer but `hidden_size` (the layer takes it from Megatron)."""
-    fields = dataclasses.asdict(config.moe_config(layer))
-    fields.pop("hidden_size")
-    return fields
+    return {"non_homogeneous_layers": True} if config.moe.layer_overrides else None
 
 
 def build_model(config: TrainConfig, tc: TransformerConfig, vocab_size: int
@@ -154,13 +153,14 @@ def build_chunks(config: TrainConfig, tc: TransformerConfig, vocab_size: int
     """`build_model`'s chunks with Megatron's own initial values (or none: built under a meta
     device context with `tc.perform_initialization=False`, they hold shapes only, which is how
     the memory planner counts a rank's shard of a model of any size)."""
-    overrides = {layer: _moe_settings(config, layer) for layer in config.moe["layer_overrides"]}
+    moe = config.moe_config()
+    overrides = {layer: config.moe_config(layer) for layer in config.moe.layer_overrides}
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     virtual = config.parallel.virtual_stages
     chunks = []
     for vp_stage in range(virtual) if virtual > 1 else [None]:
-        spec = gpt_decoder_block_spec(tc, layer_overrides=overrides, vp_stage=vp_stage,
-                                      pp_rank=pp_rank, **_moe_settings(config))
+        spec = gpt_decoder_block_spec(tc, moe, layer_overrides=overrides,
+                                      vp_stage=vp_stage, pp_rank=pp_rank, step_owner=STEP_OWNER)
         chunks.append(GPTModel(
             config=tc,
             transformer_layer_spec=spec,

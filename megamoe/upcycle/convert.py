@@ -49,11 +49,11 @@ TRAIN_CONFIG_FILE = "train_config.yaml"
 VERIFY_TOLERANCE = 1e-4
 # An upcycled router starts untrained: it is balanced by the Switch loss (arXiv 2101.03961) as the
 # sparse-upcycling recipe trains it (Komatsuzaki et al., arXiv 2212.05055).
-UPCYCLED_BALANCING = {"balancing": "aux_loss", "aux_loss_coeff": 1e-2}
+UPCYCLED_BALANCING = {"methods": "aux_loss", "aux_loss_coeff": 1e-2}
 UPCYCLED_BALANCING_NOTES = {
-    "balancing": "the upcycled routers start untrained: the Switch load-balancing loss, as "
-                 "sparse upcycling trains them (arXiv 2212.05055)",
-    "aux_loss_coeff": "the Switch Transformer's weight (arXiv 2101.03961)"}
+    "balancing.methods": "the upcycled routers start untrained: the Switch load-balancing "
+                         "loss, as sparse upcycling trains them (arXiv 2212.05055)",
+    "balancing.aux_loss_coeff": "the Switch Transformer's weight (arXiv 2101.03961)"}
 # Megatron-LM argument names of the TransformerConfig fields in `megatron_settings`.
 ARG_NAMES = {"num_moe_experts": "num_experts"}
 
@@ -130,7 +130,7 @@ def upcycle_checkpoint(load, save, recipe: UpcycleRecipe, overwrite: bool = Fals
             common["args"] = _moe_args(source.args, record["megatron_settings"])
         sections = train_sections(source.model_settings, record)
         if origin is not None:
-            sections["moe"].update(UPCYCLED_BALANCING)
+            sections["moe"]["balancing"] = dict(UPCYCLED_BALANCING)
         finish_release(tmp, writer, common, sections, origin)
         (tmp / RECIPE_FILE).write_text(json.dumps(record, indent=2) + "\n")
         (tmp / METRICS_FILE).write_text("".join(json.dumps(m) + "\n" for m in metrics))
@@ -243,10 +243,11 @@ def train_sections(model_settings: Optional[dict], record: dict) -> Optional[dic
     mg = record["megatron_settings"]
     model = {**model_settings, "moe_layer_freq": mg["moe_layer_freq"]}
     moe = {"num_experts": mg["num_moe_experts"], "ffn_hidden_size": mg["moe_ffn_hidden_size"],
-           "topk": mg["moe_router_topk"], "score_function": mg["moe_router_score_function"],
-           "pre_softmax": mg["moe_router_pre_softmax"],
-           "shared_expert_ffn_size": mg["moe_shared_expert_intermediate_size"],
-           "shared_expert_gate": mg.get("moe_shared_expert_gate", False)}
+           "topk": mg["moe_router_topk"],
+           "router": {"kind": "topk", "score_function": mg["moe_router_score_function"],
+                      "pre_softmax": mg["moe_router_pre_softmax"]},
+           "shared_expert": {"ffn_hidden_size": mg["moe_shared_expert_intermediate_size"],
+                             "gate": mg.get("moe_shared_expert_gate", False)}}
     return {"model": model, "moe": moe}
 
 

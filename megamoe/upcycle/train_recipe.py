@@ -41,7 +41,8 @@ class ConvertedModel:
     tokenizer: Optional[Path]
     """The folder of the model's own tokenizer (absolute); None: the model has none."""
     notes: dict[str, dict[str, str]] = field(default_factory=dict)
-    """{section: {key: why}} for settings of the given sections the converter chose."""
+    """{section: {dotted key: why}} for settings of the given sections the converter chose
+    (e.g. {"moe": {"balancing.methods": ...}})."""
 
 
 def _flow(value: Any) -> str:
@@ -99,25 +100,37 @@ def continued_pretraining_settings(model: ConvertedModel) -> dict[str, dict[str,
     }
 
 
+def _setting_lines(key: str, value: Any, notes: dict[str, str], dotted: str,
+                   indent: str) -> list[str]:
+    """`key: value` as YAML lines at `indent`: a nested section (e.g. `moe.router`) one key a
+    line below it, each leaf with its note (`notes[dotted name]`) as a comment."""
+    if isinstance(value, dict) and value:
+        lines = [f"{indent}{key}:"]
+        for inner, inner_value in value.items():
+            lines += _setting_lines(inner, inner_value, notes, f"{dotted}.{inner}",
+                                    indent + "  ")
+        return lines
+    line = f"{indent}{key}: {_flow(value)}"
+    return [f"{line}  # {notes[dotted]}" if notes.get(dotted) else line]
+
+
 def train_config_text(sections: dict[str, dict], model: ConvertedModel) -> str:
-    """The YAML text: `sections` (the converter's `model`/`moe`/... settings, with the notes of
-    `model.notes` as comments) merged with `continued_pretraining_settings`, one key a line."""
+    """The YAML text: `sections` (the converter's `model`/`moe`/... settings, nested sections
+    as the training config's tree, with the notes of `model.notes` as comments) merged with
+    `continued_pretraining_settings`, one setting a line."""
     chosen = continued_pretraining_settings(model)
-    merged: dict[str, dict[str, tuple]] = {}
-    for name in dict.fromkeys([*sections, *chosen]):
-        notes = model.notes.get(name, {})
-        merged[name] = {key: (value, notes.get(key))
-                        for key, value in sections.get(name, {}).items()}
-        merged[name].update(chosen.get(name, {}))
     lines = [f"# Continued pretraining of {model.description}, written by {model.tool}.",
              f"# Train: python -m megamoe.train --config {model.output}/train_config.yaml",
              "# model/moe are the converted architecture (keep them); the other settings were",
              "# chosen for continued pretraining on a CPU, each comment says why."]
-    for name, entries in merged.items():
-        if not entries:
+    for name in dict.fromkeys([*sections, *chosen]):
+        picked = chosen.get(name, {})
+        values = {**sections.get(name, {}), **{key: value for key, (value, _) in picked.items()}}
+        notes = {**model.notes.get(name, {}),
+                 **{key: comment for key, (_, comment) in picked.items()}}
+        if not values:
             continue
         lines.append(f"{name}:")
-        for key, (value, comment) in entries.items():
-            line = f"  {key}: {_flow(value)}"
-            lines.append(f"{line}  # {comment}" if comment else line)
+        for key, value in values.items():
+            lines += _setting_lines(key, value, notes, key, "  ")
     return "\n".join(lines) + "\n"

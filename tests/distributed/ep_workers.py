@@ -31,15 +31,17 @@ def _setup(world_size: int, timeout_s: float = 120.0):
 
 
 LAYER_CASES = {
-    "topk_global_aux": dict(balancing="global_aux_loss", z_loss_coeff=1e-2),
-    "group_limited_bias": dict(score_function="sigmoid", num_groups=4, groups_per_token=2, topk=4,
-                               balancing="bias", topk_scaling_factor=2.5),
-    "top_p": dict(router_type="top_p", top_p_threshold=0.6, balancing="global_aux_loss",
-                  entropy_loss_coeff=1e-2),
-    "capacity_probs": dict(capacity_factor=1.0, drop_policy="probs"),
-    "capacity_position": dict(capacity_factor=0.6, drop_policy="position", topk=3),
-    "shared_gate_seq_aux": dict(shared_expert_ffn_size=12, shared_expert_gate=True,
-                                balancing="seq_aux_loss"),
+    "topk_global_aux": dict(balancing={"methods": "global_aux_loss", "z_loss_coeff": 1e-2}),
+    "group_limited_bias": dict(router={"score_function": "sigmoid", "num_groups": 4,
+                                       "groups_per_token": 2, "topk_scaling_factor": 2.5},
+                               topk=4, balancing={"methods": "bias"}),
+    "top_p": dict(router={"kind": "top_p", "threshold": 0.6, "entropy_loss_coeff": 1e-2},
+                  balancing={"methods": "global_aux_loss"}),
+    "capacity_probs": dict(dispatcher={"capacity_factor": 1.0, "drop_policy": "probs"}),
+    "capacity_position": dict(dispatcher={"capacity_factor": 0.6, "drop_policy": "position"},
+                              topk=3),
+    "shared_gate_seq_aux": dict(shared_expert={"ffn_hidden_size": 12, "gate": True},
+                                balancing={"methods": "seq_aux_loss"}),
     "uneven_and_empty_rank": dict(),
     "zero_tokens_to_last_rank": dict(),
 }
@@ -56,12 +58,14 @@ def _layer_case(case: str, dispatcher: str, ep_comm, replica_comm) -> dict:
     expert and shared-expert gradients (summed over ranks where parameters are replicated)."""
     from megamoe import MoEConfig
     from megamoe.layer import MoELayer
+    from megamoe.settings import deep_merge
     from mock_ranks import expert_parallel_replica
 
     R, rank = ep_comm.size, ep_comm.rank
-    cfg = MoEConfig(**{**dict(hidden_size=D, num_experts=8, ffn_hidden_size=12, topk=2,
-                              balancing="none", init_method_std=0.3, dispatcher=dispatcher),
-                       **LAYER_CASES[case]})
+    cfg = MoEConfig.from_dict(deep_merge(
+        dict(hidden_size=D, num_experts=8, ffn_hidden_size=12, topk=2, init_method_std=0.3,
+             balancing={"methods": "none"}, dispatcher={"kind": dispatcher}),
+        LAYER_CASES[case]))
     L = cfg.num_experts // R
     gen = torch.Generator().manual_seed(zlib.crc32(case.encode()))
     torch.manual_seed(zlib.crc32(case.encode()))
@@ -70,14 +74,14 @@ def _layer_case(case: str, dispatcher: str, ep_comm, replica_comm) -> dict:
     x = torch.randn(S, sum(sizes), D, generator=gen)
     w = torch.randn(S, sum(sizes), D, generator=gen)
     with torch.no_grad():
-        if cfg.balancing == "bias":
+        if cfg.balancing.uses_expert_bias:
             reference.router.expert_bias.copy_(torch.randn(cfg.num_experts, generator=gen) * 0.1)
         if case == "zero_tokens_to_last_rank":
             x = x.abs()  # positive inputs, so negative router rows lose every token
             reference.router.weight[-L:] = -1.0
 
     x_ref = x.clone().requires_grad_()
-    if cfg.capacity_factor is None:
+    if cfg.dispatcher.capacity_factor is None:
         y_ref = reference(x_ref)[0]
     else:  # capacity is per forward call, i.e. per rank: the reference runs each rank's shard
         y_ref = torch.cat([reference(shard)[0] for shard in x_ref.split(sizes, dim=1)], dim=1)
@@ -118,14 +122,15 @@ def _layer_case(case: str, dispatcher: str, ep_comm, replica_comm) -> dict:
 def _bias_balancing(ep_comm, replica_comm, steps: int = 25) -> dict:
     """Loss-free balancing at EP=R: with frozen weights the biases follow EP=1 on the global
     batch exactly; while training on different data per rank they stay identical on all ranks."""
-    from megamoe import MoEConfig
+    from megamoe import BalancingConfig, MoEConfig, TopKRouterConfig
     from megamoe.balancing import step_balancing
     from megamoe.layer import MoELayer
     from mock_ranks import expert_parallel_replica
 
     R, rank = ep_comm.size, ep_comm.rank
-    cfg = MoEConfig(hidden_size=D, num_experts=8, ffn_hidden_size=12, topk=2, balancing="bias",
-                    score_function="sigmoid", bias_update_rate=1e-2, init_method_std=0.3)
+    cfg = MoEConfig(hidden_size=D, num_experts=8, ffn_hidden_size=12, topk=2, init_method_std=0.3,
+                    router=TopKRouterConfig(score_function="sigmoid"),
+                    balancing=BalancingConfig(methods="bias", bias_update_rate=1e-2))
     torch.manual_seed(5)
     reference = MoELayer(cfg)
     replica = expert_parallel_replica(reference, ep_comm, replica_comm)
@@ -380,14 +385,15 @@ def failure_job(rank: int, world_size: int, mode: str, group_timeout_s: float,
                 result_dir: str) -> dict:
     """Rank 1 is killed (mode 'killed') or stops taking part (mode 'stalled') before the second
     forward; rank 0 reports the error it got and how long it took."""
-    from megamoe import MoEConfig
+    from megamoe import BalancingConfig, MoEConfig
     from megamoe.layer import MoELayer
     from megamoe.parallel import TorchComm
 
     pgs = _setup(world_size, timeout_s=group_timeout_s)
     ep_comm = TorchComm(pgs.ep)
     torch.manual_seed(0)
-    layer = MoELayer(MoEConfig(hidden_size=D, num_experts=4, ffn_hidden_size=8, balancing="none"),
+    layer = MoELayer(MoEConfig(hidden_size=D, num_experts=4, ffn_hidden_size=8,
+                               balancing=BalancingConfig(methods="none")),
                      ep_comm=ep_comm, replica_comm=TorchComm(pgs.tp_dp_cp))
     x = torch.randn(S, 2, D)
     layer(x)[0].sum().backward()  # a healthy first step

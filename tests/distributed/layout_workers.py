@@ -34,9 +34,11 @@ BASE = {
     "model": {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
               "ffn_hidden_size": 64, "seq_length": 32, "first_k_dense": 1,
               "make_vocab_size_divisible_by": 64},
-    "moe": {"num_experts": 4, "ffn_hidden_size": 32, "topk": 2, "score_function": "sigmoid",
-            "balancing": ["bias", "aux_loss"], "aux_loss_coeff": 1.0e-2, "z_loss_coeff": 1.0e-3,
-            "bias_update_rate": 1.0e-2, "shared_expert_ffn_size": 32},
+    "moe": {"num_experts": 4, "ffn_hidden_size": 32, "topk": 2,
+            "router": {"score_function": "sigmoid"},
+            "balancing": {"methods": ["bias", "aux_loss"], "aux_loss_coeff": 1.0e-2,
+                          "z_loss_coeff": 1.0e-3, "bias_update_rate": 1.0e-2},
+            "shared_expert": {"ffn_hidden_size": 32}},
     "training": {"train_steps": STEPS, "micro_batch_size": 1, "global_batch_size": 4,
                  "grad_clip": 1.0},
     "optimizer": {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_steps": 2},
@@ -58,7 +60,7 @@ LAYOUTS = {
 }
 # Dropout and router jitter on: their draws are layout-invariant across PP, EP and DP (not TP).
 RANDOM = {"model": {"hidden_dropout": 0.1, "attention_dropout": 0.1},
-          "moe": {"input_jitter_eps": 1.0e-2}}
+          "moe": {"router": {"score_function": "sigmoid", "input_jitter_eps": 1.0e-2}}}
 RANDOM_LAYOUTS = {  # name -> (processes, parallel section, training section)
     "random_reference": (1, {}, {}),
     "random_recompute_full": (1, {}, {"recompute": "full"}),

@@ -6,14 +6,15 @@ from __future__ import annotations
 import ep_workers
 
 ROUTER_CASES = {
-    "sinkhorn": dict(router_type="sinkhorn"),
-    "base_layers": dict(router_type="base", score_function="sigmoid", topk=1),
+    "sinkhorn": dict(router={"kind": "sinkhorn"}),
+    "base_layers": dict(router={"kind": "base"}, topk=1),
     # Expert choice during the warm-up is per forward call, like capacity: a capacity factor
     # that drops nothing makes the reference run each rank's shard.
-    "threshold_warmup": dict(router_type="threshold", score_function="sigmoid", topk=1,
-                             shared_expert_ffn_size=12, shared_expert_gate=True,
-                             capacity_factor=8.0),
-    "erc_logit_norm": dict(erc_loss_coeff=0.5, erc_noise=0.0, gate_logit_norm=1.0),
+    "threshold_warmup": dict(router={"kind": "threshold"}, topk=1,
+                             shared_expert={"ffn_hidden_size": 12, "gate": True},
+                             dispatcher={"capacity_factor": 8.0}),
+    "erc_logit_norm": dict(balancing={"erc_loss_coeff": 0.5, "erc_noise": 0.0},
+                           router={"gate_logit_norm": 1.0}),
 }
 ep_workers.LAYER_CASES.update(ROUTER_CASES)
 

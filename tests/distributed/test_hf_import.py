@@ -247,8 +247,9 @@ def test_deepseek_routing_and_dense_layers_read_as_transformers_runs_them(tmp_pa
 
     model = read_hf_moe_model(_deepseek_config(tmp_path / "a", n_routed_experts=16, n_group=8,
                                                topk_group=2, first_k_dense_replace=0))
-    moe = model.train_sections()["moe"]
-    assert (moe["num_groups"], moe["groups_per_token"], moe["group_score_topk"]) == (8, 2, 2)
+    router = model.train_sections()["moe"]["router"]
+    assert (router["num_groups"], router["groups_per_token"], router["group_score_topk"]) == (
+        8, 2, 2)
     assert model.moe.pattern == (True, True)
     with pytest.raises(CheckpointError, match="first_k_dense_replace=2 is not supported"):
         read_hf_moe_model(_deepseek_config(tmp_path / "b", first_k_dense_replace=2))

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from megamoe import MoEConfig
+from megamoe import MoEConfig, SharedExpertConfig
 from megamoe.layer import MoELayer
 from megamoe.parallel import overlap
 
@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def test_shared_expert_on_side_stream_matches_cpu():
     torch.manual_seed(0)
     cfg = MoEConfig(hidden_size=64, num_experts=8, ffn_hidden_size=96, topk=2,
-                    shared_expert_ffn_size=128, shared_expert_gate=True, init_method_std=0.1)
+                    shared_expert=SharedExpertConfig(ffn_hidden_size=128, gate=True),
+                    init_method_std=0.1)
     layer_cpu = MoELayer(cfg)
     layer_gpu = copy.deepcopy(layer_cpu).cuda()
     x = torch.randn(32, 4, 64)

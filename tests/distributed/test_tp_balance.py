@@ -27,8 +27,8 @@ def test_tp2_sequence_parallel_router_grads_equal_tp1(tp2, case):
 @pytest.mark.parametrize("case", sorted(tp_workers.TP_CASES))
 def test_mock_tp2_router_grads_equal_tp1(case):
     S, B, D = tp_workers.S, tp_workers.B, tp_workers.D
-    cfg = MoEConfig(hidden_size=D, num_experts=8, ffn_hidden_size=8, topk=2, init_method_std=0.5,
-                    **tp_workers.TP_CASES[case])
+    cfg = MoEConfig.from_dict({"hidden_size": D, "num_experts": 8, "ffn_hidden_size": 8,
+                               "topk": 2, "init_method_std": 0.5, **tp_workers.TP_CASES[case]})
     torch.manual_seed(11)
     reference = MoELayer(cfg)
     x = torch.randn(S, B, D, generator=torch.Generator().manual_seed(3))

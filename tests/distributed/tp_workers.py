@@ -10,13 +10,14 @@ import torch
 
 S, B, D = 8, 3, 16
 
-TP_CASES = {
-    "aux_loss": dict(balancing="aux_loss", aux_loss_coeff=0.5),
-    "seq_aux_loss": dict(balancing=["bias", "seq_aux_loss"], aux_loss_coeff=0.5,
-                         score_function="sigmoid"),
-    "global_aux_loss": dict(balancing="global_aux_loss", aux_loss_coeff=0.5),
-    "z_loss": dict(balancing="none", z_loss_coeff=0.5),
-    "entropy_loss": dict(balancing="none", router_type="top_p", entropy_loss_coeff=0.5),
+TP_CASES = {  # nested MoE settings
+    "aux_loss": {"balancing": {"methods": "aux_loss", "aux_loss_coeff": 0.5}},
+    "seq_aux_loss": {"balancing": {"methods": ["bias", "seq_aux_loss"], "aux_loss_coeff": 0.5},
+                     "router": {"score_function": "sigmoid"}},
+    "global_aux_loss": {"balancing": {"methods": "global_aux_loss", "aux_loss_coeff": 0.5}},
+    "z_loss": {"balancing": {"methods": "none", "z_loss_coeff": 0.5}},
+    "entropy_loss": {"balancing": {"methods": "none"},
+                     "router": {"kind": "top_p", "entropy_loss_coeff": 0.5}},
 }
 
 
@@ -32,6 +33,7 @@ def tp_job(rank: int, world_size: int) -> dict:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from megamoe.layer import MoELayer
+    from megamoe.megatron.fields import moe_config_from_transformer_config
     from tiny_models import tiny_transformer_config
     from megamoe.megatron.moe_module import MegatronMoELayer
     from megamoe.megatron.runtime import setup_megatron
@@ -47,7 +49,8 @@ def tp_job(rank: int, world_size: int) -> dict:
     out = {}
     for case, settings in TP_CASES.items():
         torch.manual_seed(11)
-        layer = MegatronMoELayer(config, moe=dict(settings, init_method_std=0.5))
+        layer = MegatronMoELayer(config, moe=moe_config_from_transformer_config(
+            config, {**settings, "init_method_std": 0.5}))
         with torch.no_grad():
             layer.router.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(5))
         reference = MoELayer(layer.cfg)

@@ -49,11 +49,13 @@ def test_hf_dense_to_trained_moe_to_hf(arch, corpus_cache, tmp_path):
     _run("tools/upcycle_ckpt.py", "--load", str(hf), "--save", str(moe), "--num-experts", "4",
          "--topk", "2", "--no-progress", *flags)
     run = tmp_path / "run"
-    _run("-m", "megamoe.train", "--config", str(moe / "train_config.yaml"), f"output_dir={run}",
-         f"data.cache_dir={corpus_cache}", "training.train_steps=3", "model.seq_length=32",
-         "training.micro_batch_size=2", "training.global_batch_size=2", "optimizer.lr=1e-2",
-         f"checkpoint.init_from={moe}", "logging.progress_bar=false",
-         "logging.tensorboard=false")
+    trained = _run("-m", "megamoe.train", "--config", str(moe / "train_config.yaml"),
+                   f"output_dir={run}", f"data.cache_dir={corpus_cache}",
+                   "training.train_steps=3", "model.seq_length=32",
+                   "training.micro_batch_size=2", "training.global_batch_size=2",
+                   "optimizer.lr=1e-2", f"checkpoint.init_from={moe}",
+                   "logging.progress_bar=false", "logging.tensorboard=false")
+    assert " is now moe." not in trained.stderr  # written as the tree: no flat-key notes
     out = tmp_path / "exported"
     done = _run("tools/export_hf.py", "--load", str(run / "checkpoints"), "--save", str(out),
                 "--arch", target, "--verify")
@@ -91,10 +93,11 @@ def test_imported_model_trains_on_its_tokenizer_with_the_printed_command(corpus_
     argv = shlex.split(command.removeprefix("train with: "))
     assert argv[:3] == ["python", "-m", "megamoe.train"]
     run = tmp_path / "run"
-    _run(*argv[1:], f"output_dir={run}", f"data.cache_dir={corpus_cache}",
-         "training.train_steps=2", "training.global_batch_size=2", "model.seq_length=64",
-         "logging.progress_bar=false",
-         "logging.tensorboard=false")
+    trained = _run(*argv[1:], f"output_dir={run}", f"data.cache_dir={corpus_cache}",
+                   "training.train_steps=2", "training.global_batch_size=2",
+                   "model.seq_length=64", "logging.progress_bar=false",
+                   "logging.tensorboard=false")
+    assert " is now moe." not in trained.stderr  # written as the tree: no flat-key notes
     trained = load_common_state(resolve_weights_dir(run / "checkpoints"))["tokenizer"]
     assert trained["fingerprint"] == load_tokenizer(hf).fingerprint
     out = tmp_path / "exported"

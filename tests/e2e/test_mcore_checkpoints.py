@@ -1,6 +1,7 @@
-"""Checkpoints across megatron-core versions: the committed fixtures
+"""Checkpoints across megatron-core versions and checkpoint formats: the committed fixtures
 (`tests/fixtures/mcore_checkpoints/`, made by `make_mcore_checkpoints.py` under megatron-core
-0.16.1 and 0.19.2) resume and serve as `checkpoint.init_from` under the installed version, and
+0.16.1 and 0.19.2, in checkpoint format 1: flat MoE settings, from the flat config.yaml beside
+them) resume and serve as `checkpoint.init_from` under the installed version and format 2, and
 give the losses that the version which wrote them logged (same synthetic data, same seed).
 
 A 0.16 checkpoint keeps its common state in `common.pt`; a 0.19 one keeps it inside the
@@ -54,6 +55,12 @@ def test_a_checkpoint_of_each_version_resumes_with_its_own_losses(tmp_path, vers
     assert sorted(got) == sorted(map(int, want["resumed_losses"]))  # continued at the position
     for step, loss in want["resumed_losses"].items():
         assert got[int(step)] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+    from megamoe.checkpointing.safe_dcp import load_common_state
+
+    saved = load_common_state(tmp_path / "checkpoints" / f"iter_{last:07d}")
+    assert saved["format_version"] == 2  # what it saves next holds the settings tree
+    assert saved["config"]["moe"]["balancing"]["methods"] in ("bias", ["bias"])
+    assert saved["config"]["moe"]["router"]["score_function"] == "sigmoid"
 
 
 @pytest.mark.parametrize("version", VERSIONS)

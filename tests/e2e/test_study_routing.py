@@ -57,6 +57,33 @@ def test_iid_floor_shrinks_with_the_square_root_of_the_tokens():
     assert 3.0 < small / large < 5.5  # sqrt(16) = 4, up to sampling noise
 
 
+@pytest.mark.parametrize("tool", ["study_routing", "study_topp"])
+def test_every_variant_is_the_setup_it_names(tool, tmp_path, capsys):
+    """Each variant's overrides, with and without --quick's, load as a training config without
+    a flat-key note, and build the router, experts per token, balancing and capacity its setup
+    line names (--quick shortens the threshold router's warm-up only)."""
+    import yaml
+
+    from megamoe.train.config import load_config
+
+    study, routing = tool_module(tool), tool_module("study_routing")
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump(study.BASE_CONFIG))
+    for name, (setup, overrides) in study.VARIANTS.items():
+        for quick in (False, True):
+            moe = load_config(str(base), [*overrides, *(
+                routing.quick_overrides(overrides) if quick else [])]).moe_config()
+            kind = moe.router.kind
+            assert {"top_p": "top-p", "threshold": "threshold", "sinkhorn": "Sinkhorn",
+                    "base": "BASE", "topk": f"top-{moe.topk}"}[kind] in setup, name
+            assert (moe.balancing.methods == "none") == ("no aux loss" in setup), name
+            assert (moe.dispatcher.capacity_factor == 1.0) == ("capacity" in setup), name
+            assert (moe.shared_expert.ffn_hidden_size is not None) == ("shared" in setup), name
+            if kind == "threshold":
+                assert moe.router.warmup_steps == (1 if quick else 20)
+    assert " is now moe." not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("tool", ["study_routing", "study_topp"])  # their shared command line
 def test_unknown_variant_is_one_line_exit_2(tool, tmp_path):
     done = subprocess.run([sys.executable, f"tools/{tool}.py", "--variants", "nope",

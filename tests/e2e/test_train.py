@@ -135,6 +135,78 @@ def test_resume_at_another_expert_parallel_size(reference, first_half, corpus_ca
     assert max(abs(a - b) for a, b in zip(resumed, straight)) < 1e-4
 
 
+def _snapshot(out: Path) -> dict:
+    """Every file under the run with its size and mtime: 'nothing written' compares these."""
+    return {str(p.relative_to(out)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in out.rglob("*") if p.is_file()}
+
+
+def test_resume_may_change_how_the_model_trains(first_half, corpus_cache, tmp_path):
+    """A resumed run with another aux-loss coefficient, bias update rate and dispatcher: each
+    change announced once (rank 0 of 2) and recorded in metrics.jsonl from the first step it
+    applies to; the run continues from the checkpoint's position."""
+    shutil.copytree(first_half, tmp_path, dirs_exist_ok=True)
+    done = train(corpus_cache, tmp_path, *RUN, f"training.train_steps={HALF + 2}",
+                 "moe.balancing.aux_loss_coeff=0.02", "moe.balancing.bias_update_rate=0.001",
+                 "moe.dispatcher.kind=allgather")
+    step = HALF + 1
+    for line in (f"setting moe.balancing.aux_loss_coeff: 0.01 -> 0.02 (from step {step})",
+                 f"setting moe.balancing.bias_update_rate: 0.01 -> 0.001 (from step {step})",
+                 f"setting moe.dispatcher.kind: alltoall -> allgather (from step {step})"):
+        assert done.stdout.count(line) == 1, done.stdout[-3000:]
+    changed = {r["setting"]: (r["step"], r["old"], r["new"]) for r in records(tmp_path)
+               if r.get("event") == "setting"}
+    assert changed == {"moe.balancing.aux_loss_coeff": (step, 0.01, 0.02),
+                       "moe.balancing.bias_update_rate": (step, 0.01, 0.001),
+                       "moe.dispatcher.kind": (step, "alltoall", "allgather")}
+    steps = [r["step"] for r in records(tmp_path) if "event" not in r]
+    assert steps == list(range(1, HALF + 3))
+
+
+def test_resume_with_another_number_of_experts_is_refused(first_half, corpus_cache, tmp_path):
+    """The number of experts shapes the weights: one line naming it, exit 2, nothing written."""
+    shutil.copytree(first_half, tmp_path, dirs_exist_ok=True)
+    before = _snapshot(tmp_path)
+    done = subprocess.run(
+        _command(1) + ["--config", str(TINY), f"output_dir={tmp_path}",
+                       f"data.cache_dir={corpus_cache}", *RUN, "parallel.expert=1",
+                       "moe.num_experts=16"],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, done.stderr[-3000:]
+    assert "moe.num_experts=8 but the config says 16" in errors[0]
+    assert _snapshot(tmp_path) == before
+
+
+def expert_biases(folder: Path) -> dict:
+    """The expert biases a torch_dist checkpoint holds, by key."""
+    import torch
+    from torch.distributed.checkpoint import load
+
+    from megamoe.checkpointing.safe_dcp import SafeFileSystemReader
+
+    saved = SafeFileSystemReader(folder).read_metadata().state_dict_metadata
+    biases = {key: torch.zeros(saved[key].size) for key in saved if key.endswith("expert_bias")}
+    load(biases, storage_reader=SafeFileSystemReader(folder), no_dist=True)
+    return biases
+
+
+def test_a_bias_update_schedule_stops_the_bias_from_its_step(corpus_cache, tmp_path):
+    """`moe.balancing.bias_update_schedule: [[3, 0.0]]` (DeepSeek-V3's rate to 0 for the last
+    tokens): steps 1-2 move the expert biases, steps 3-6 leave them as they were."""
+    train(corpus_cache, tmp_path, "training.train_steps=6", "checkpoint.interval=2",
+          "checkpoint.keep_last=0", "parallel.expert=1",
+          "moe.balancing.bias_update_schedule=[[3, 0.0]]", nproc=1)
+    at = {step: expert_biases(tmp_path / "checkpoints" / f"iter_{step:07d}")
+          for step in (2, 4, 6)}
+    assert len(at[2]) == 3  # the three MoE layers
+    for key, bias in at[2].items():
+        assert bias.abs().sum() > 0, key  # moved from zeros in steps 1-2
+        assert bias.equal(at[4][key]) and bias.equal(at[6][key]), key
+
+
 def test_upcycled_checkpoint_starts_a_run(corpus_cache, tmp_path):
     """init_from an upcycled dense checkpoint: the MoE's first loss equals the dense model's
     loss on the same batch (upcycled experts with renormalised top-2 gates compute the MLP)."""
@@ -149,7 +221,7 @@ def test_upcycled_checkpoint_starts_a_run(corpus_cache, tmp_path):
                    timeout=120)
     moe = tmp_path / "moe"
     done = train(corpus_cache, moe, *frozen, "model.first_k_dense=0", "moe.ffn_hidden_size=512",
-                 "moe.score_function=softmax", "moe.balancing=aux_loss",
+                 "moe.router.score_function=softmax", "moe.balancing.methods=aux_loss",
                  f"checkpoint.init_from={upcycled}", nproc=1)
     assert "starting from the weights of" in done.stdout
     assert abs(losses(moe)[0] - losses(dense)[0]) < 1e-5

@@ -8,6 +8,7 @@ import pytest
 
 import yaml
 
+from megamoe.config import FLAT_NAMES
 from megamoe.errors import ConfigError
 from megamoe.train.config import (OptimizerConfig, apply_overrides, config_from_dict,
                                   dump_config, load_config)
@@ -24,15 +25,43 @@ def test_every_shipped_config_loads_and_round_trips(path):
     assert "Hardware:" in path.read_text()
 
 
+def _flat_form(moe: dict) -> dict:
+    """The `moe` section of a shipped config written as configs were before the tree: every
+    setting of a section under its old flat name (`router: {kind: topk}` -> `router_type`)."""
+    old_name = {new: old for old, new in FLAT_NAMES.items()}
+    flat = {key: value for key, value in moe.items() if not isinstance(value, dict)}
+    for section, values in ((k, v) for k, v in moe.items() if isinstance(v, dict)):
+        flat.update({old_name[f"{section}.{name}"]: value for name, value in values.items()})
+    return flat
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_shipped_config_loads_written_the_old_flat_way(path, tmp_path, capsys):
+    """An older config (flat MoE keys) trains the same model: each flat key is read as its key
+    in the tree, with one note line on stderr per key, printed once."""
+    raw = yaml.safe_load(path.read_text())
+    flat = _flat_form(raw["moe"])
+    old = tmp_path / path.name
+    old.write_text(yaml.safe_dump({**raw, "moe": flat}, sort_keys=False))
+    assert load_config(old) == load_config(path)
+    notes = capsys.readouterr().err.splitlines()
+    moved = [key for key in flat if key in FLAT_NAMES]
+    assert sorted(notes) == sorted(f"note: moe.{key} is now moe.{FLAT_NAMES[key]} (read as that)"
+                                   for key in moved)
+    assert moved or path.stem.startswith("simoe")  # the MoE recipes set routing settings
+
+
 def test_recipes_say_what_they_claim():
     configs = {p.stem: load_config(p) for p in CONFIGS}
     assert set(configs) >= {"tiny_cpu", "mixtral_8x7b", "deepseek_v3", "upcycled_continue"}
     tiny = configs["tiny_cpu"]
-    assert (tiny.model.num_layers, tiny.moe["num_experts"], tiny.parallel.expert) == (4, 8, 2)
+    assert (tiny.model.num_layers, tiny.moe.num_experts, tiny.parallel.expert) == (4, 8, 2)
     ds = configs["deepseek_v3"].moe_config()
-    assert (ds.num_experts, ds.topk, ds.num_groups, ds.groups_per_token) == (256, 8, 8, 4)
-    assert ds.uses_expert_bias and ds.balance_loss_coeffs == {"seq_aux_loss": 1e-4}
-    assert ds.shared_expert_ffn_size and ds.score_function == "sigmoid"
+    assert (ds.num_experts, ds.topk, ds.router.num_groups, ds.router.groups_per_token) == \
+        (256, 8, 8, 4)
+    assert ds.balancing.uses_expert_bias
+    assert ds.balancing.loss_coeffs == {"seq_aux_loss": 1e-4}
+    assert ds.shared_expert.ffn_hidden_size and ds.router.score_function == "sigmoid"
     assert configs["deepseek_v3"].model.first_k_dense == 3
     assert configs["upcycled_continue"].checkpoint.init_from
 
@@ -40,11 +69,13 @@ def test_recipes_say_what_they_claim():
 def test_overrides_reach_nested_keys_and_parse_as_yaml():
     tiny = CONFIGS[[p.stem for p in CONFIGS].index("tiny_cpu")]
     config = load_config(tiny, ["optimizer.lr=1e-3", "moe.layer_overrides.2.num_experts=16",
+                                "moe.router.score_function=softmax",
                                 "data.prefixes=[a, b]", "data.tokenizer_model=t.model",
                                 "checkpoint.init_from=null", "output_dir=elsewhere"])
     assert config.optimizer.lr == 1e-3 and isinstance(config.optimizer.lr, float)
-    assert config.moe["layer_overrides"] == {2: {"num_experts": 16}}
+    assert config.moe.layer_overrides == {2: {"num_experts": 16}}
     assert config.moe_config(2).num_experts == 16 and config.moe_config(1).num_experts == 8
+    assert config.moe_config(2).router.score_function == "softmax"
     assert config.data.prefixes == ["a", "b"]
     assert config.output_dir == "elsewhere"
 

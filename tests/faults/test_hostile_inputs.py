@@ -220,8 +220,9 @@ def test_links_and_index_entries_leaving_the_folder_are_refused(hf_model, tmp_pa
 # ---- 4. non-finite settings and parameters ---------------------------------------------
 
 SETTINGS = ["optimizer.lr=.inf", "optimizer.lr=-.inf", "optimizer.lr=.nan",
-            "moe.bias_update_rate=.nan", "optimizer.lr=1e400", "training.train_steps=1e400",
-            f"training.train_steps={10 ** 30}", "training.train_steps=" + "9" * 10_000]
+            "moe.balancing.bias_update_rate=.nan", "optimizer.lr=1e400",
+            "training.train_steps=1e400", f"training.train_steps={10 ** 30}",
+            "training.train_steps=" + "9" * 10_000]
 
 
 def test_non_finite_and_out_of_range_settings_are_refused(tmp_path):

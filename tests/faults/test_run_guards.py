@@ -1,10 +1,10 @@
 """Divergence guards of a real training run (tiny config, 1 process and 2 under torchrun).
 
-Faults are injected through the documented testing keys: `guards.debug_nan_step` sets one
-expert weight to NaN before a step; `guards.debug_spike_step` gives the batch of a step label 0
-everywhere, so its loss jumps. References: the state the harness recorded at the start of the
-bad step (an update would change every weight and Adam moment), the checkpoints on disk, and
-the same run's own first pass over the replayed steps.
+Faults are injected through the tests-only environment variable MEGAMOE_TEST_FAULTS
+(megamoe.train.faults): `nan_step` sets one expert weight to NaN before a step; `spike_step`
+gives the batch of a step label 0 everywhere, so its loss jumps. References: the state the
+harness recorded at the start of the bad step (an update would change every weight and Adam
+moment), the checkpoints on disk, and the same run's own first pass over the replayed steps.
 """
 from __future__ import annotations
 
@@ -33,14 +33,18 @@ def _ep(nproc: int) -> str:
     return f"parallel.expert={nproc}"
 
 
+def faults(spec: str) -> dict:
+    """The trainer's environment with the faults `spec` injected (megamoe.train.faults)."""
+    return {**env(), "MEGAMOE_TEST_FAULTS": spec}
+
+
 @pytest.mark.parametrize("nproc", RANKS)
 def test_nan_weight_stops_the_step_before_the_update(nproc, corpus_cache, tmp_path):
     out, results = tmp_path / "run", tmp_path / "results"
     command = launcher(nproc, [str(HARNESS), str(results)]) + trainer_args(
-        corpus_cache, out, _ep(nproc), "training.train_steps=8", "checkpoint.interval=2",
-        "guards.debug_nan_step=5")
-    done = subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True,
-                          timeout=300)
+        corpus_cache, out, _ep(nproc), "training.train_steps=8", "checkpoint.interval=2")
+    done = subprocess.run(command, cwd=REPO, env=faults("{nan_step: 5}"), capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode != 0, done.stdout[-2000:]
     per_rank = [json.loads((results / f"rank{r}.json").read_text()) for r in range(nproc)]
     for result in per_rank:
@@ -71,8 +75,8 @@ def test_loss_spike_rolls_back_and_skips_the_batch(nproc, corpus_cache, tmp_path
         train_command(nproc, corpus_cache, out, _ep(nproc), "training.train_steps=14",
                       "checkpoint.interval=4", "optimizer.warmup_steps=2",
                       "guards.spike_window=3", f"guards.spike_factor={SPIKE_FACTOR}",
-                      "guards.debug_spike_step=10", "logging.interval=1"),
-        cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+                      "logging.interval=1"),
+        cwd=REPO, env=faults("{spike_step: 10}"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rollbacks = [e for e in events(out) if e["event"] == "rollback"]
     assert len(rollbacks) == 1 and len(events(out)) == 1
@@ -100,8 +104,8 @@ def test_loss_spike_with_stop_exits_without_saving(corpus_cache, tmp_path):
         train_command(1, corpus_cache, out, _ep(1), "training.train_steps=14",
                       "checkpoint.interval=4", "optimizer.warmup_steps=2",
                       "guards.spike_window=3", f"guards.spike_factor={SPIKE_FACTOR}",
-                      "guards.debug_spike_step=10", "guards.spike_action=stop"),
-        cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+                      "guards.spike_action=stop"),
+        cwd=REPO, env=faults("{spike_step: 10}"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 3
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: step 10: loss spike")

@@ -9,18 +9,22 @@ from megamoe.balancing import maxvio, sequence_aux_loss, step_balancing, switch_
 from megamoe.layer import MoELayer
 from mock_ranks import expert_parallel_replica, run_ranks
 from megamoe.routing import ROUTERS
+from megamoe.settings import deep_merge
 
 D = 16
+BIAS = {"methods": "bias"}
 
 
 def config(**changes):
-    return MoEConfig(**{**dict(hidden_size=D, num_experts=8, ffn_hidden_size=16, topk=2), **changes})
+    """The tiny config with nested `changes` (e.g. balancing={"methods": "bias"})."""
+    return MoEConfig.from_dict(deep_merge(dict(hidden_size=D, num_experts=8, ffn_hidden_size=16,
+                                               topk=2), changes))
 
 
 @pytest.mark.parametrize("score_function", ["sigmoid", "softmax"])
 def test_loss_free_bias_drives_maxvio_below_005(score_function):
     torch.manual_seed(1)
-    router = ROUTERS["topk"](config(balancing="bias", score_function=score_function))
+    router = ROUTERS["topk"](config(balancing=BIAS, router={"score_function": score_function}))
     with torch.no_grad():
         router.weight.mul_(5)
     skew = torch.randn(D)
@@ -43,8 +47,8 @@ def test_loss_free_bias_drives_maxvio_below_005(score_function):
 
 def test_bias_update_rule_and_mean_centering():
     for centering in (False, True):
-        router = ROUTERS["topk"](config(balancing="bias", bias_update_rate=0.01,
-                                        bias_mean_centering=centering))
+        router = ROUTERS["topk"](config(balancing={"methods": "bias", "bias_update_rate": 0.01,
+                                                   "bias_mean_centering": centering}))
         selected = torch.zeros(10, 8, dtype=torch.bool)
         selected[:, 0] = selected[:5, 1] = selected[:5, 2] = selected[5:, 3] = True
         selected[:, 4] = selected[:, 5] = True  # counts: 10, 5, 5, 5, 10, 10, 0, 0 (mean 5.625)
@@ -58,7 +62,7 @@ def test_bias_update_rule_and_mean_centering():
 
 def test_counts_only_kept_training_forwards():
     torch.manual_seed(0)
-    layer = MoELayer(config(balancing="bias"))
+    layer = MoELayer(config(balancing=BIAS))
     x = torch.randn(8, 2, D, requires_grad=True)
     layer.eval()
     layer(x)
@@ -67,19 +71,19 @@ def test_counts_only_kept_training_forwards():
     for reentrant in (True, False):
         out = checkpoint(lambda h: layer(h)[0], x, use_reentrant=reentrant)
         out.sum().backward()  # the backward recomputes the forward
-    counts = layer.router.load.selected_E
+    counts = layer.router.load.stats.selected_E
     assert float(counts.sum()) == 2 * 16 * 2  # two kept forwards of 16 tokens, top-2
 
 
 def test_bias_stays_fp32_under_bf16_cast_and_round_trips():
-    layer = MoELayer(config(balancing="bias"))
+    layer = MoELayer(config(balancing=BIAS))
     layer.router.expert_bias.copy_(torch.arange(8) * 1e-3 + 1.0)
     layer.to(torch.bfloat16)
     assert layer.router.expert_bias.dtype == torch.float32
     assert layer.router.weight.dtype == torch.bfloat16
     torch.testing.assert_close(layer.router.expert_bias, torch.arange(8) * 1e-3 + 1.0)
     state = layer.state_dict()
-    fresh = MoELayer(config(balancing="bias"))
+    fresh = MoELayer(config(balancing=BIAS))
     fresh.load_state_dict(state)
     assert torch.equal(fresh.router.expert_bias, torch.arange(8) * 1e-3 + 1.0)
 
@@ -116,8 +120,9 @@ def test_sequence_aux_loss_is_mean_of_per_sequence_losses():
 def test_aux_loss_uses_the_routing_actually_used():
     """With a bias and group limits, the loss counts the experts chosen after both."""
     torch.manual_seed(0)
-    layer = MoELayer(config(balancing="aux_loss", num_groups=4, groups_per_token=1,
-                            score_function="sigmoid"))
+    layer = MoELayer(config(balancing={"methods": "aux_loss"},
+                            router={"num_groups": 4, "groups_per_token": 1,
+                                    "score_function": "sigmoid"}))
     x = torch.randn(16, D)
     routing = layer.router(x)
     losses = layer.balance_losses(routing, 16, 1)
@@ -136,7 +141,7 @@ def test_global_aux_loss_identical_at_ep1_and_mock_ep4():
     """The global aux loss counts over every replica (here 4 data-parallel ranks): the mean of
     the per-rank losses (what data-parallel gradient averaging trains) is the one-rank loss."""
     torch.manual_seed(0)
-    layer = MoELayer(config(balancing="global_aux_loss", z_loss_coeff=1e-3))
+    layer = MoELayer(config(balancing={"methods": "global_aux_loss", "z_loss_coeff": 1e-3}))
     x = torch.randn(4, 8, D)  # 4 ranks x 8 tokens
     ref = layer.balance_losses(layer.router(x.reshape(-1, D)), 32, 1)
 
@@ -153,10 +158,11 @@ def test_global_aux_loss_identical_at_ep1_and_mock_ep4():
 def test_heterogeneous_layers_balance_independently():
     torch.manual_seed(0)
     model = nn.ModuleList([
-        MoELayer(config(balancing="bias", num_experts=4)),
-        MoELayer(config(balancing="bias", num_experts=16, topk=4, score_function="sigmoid")),
-        MoELayer(config(balancing="bias", router_type="top_p", num_experts=8)),
-        MoELayer(config(balancing="aux_loss", num_experts=8)),
+        MoELayer(config(balancing=BIAS, num_experts=4)),
+        MoELayer(config(balancing=BIAS, num_experts=16, topk=4,
+                        router={"score_function": "sigmoid"})),
+        MoELayer(config(balancing=BIAS, router={"kind": "top_p"}, num_experts=8)),
+        MoELayer(config(balancing={"methods": "aux_loss"}, num_experts=8)),
     ])
     for number, layer in enumerate(model, start=1):
         layer.set_layer_number(number)
@@ -175,7 +181,7 @@ def test_heterogeneous_layers_balance_independently():
 
 def test_metrics_match_counts():
     torch.manual_seed(0)
-    layer = MoELayer(config(balancing="none", capacity_factor=1.0))
+    layer = MoELayer(config(balancing={"methods": "none"}, dispatcher={"capacity_factor": 1.0}))
     layer.set_layer_number(3)
     x1, x2 = torch.randn(32, 1, D), torch.randn(32, 1, D)
     selections = []
@@ -196,7 +202,7 @@ def test_metrics_match_counts():
 
 def test_biases_identical_on_all_mock_ranks_after_updates():
     torch.manual_seed(0)
-    layer = MoELayer(config(balancing="bias", score_function="sigmoid"))
+    layer = MoELayer(config(balancing=BIAS, router={"score_function": "sigmoid"}))
     inputs = torch.randn(20, 4, 16, 1, D)
 
     def rank(comm):
@@ -213,8 +219,9 @@ def test_biases_identical_on_all_mock_ranks_after_updates():
 
 def test_balance_losses_reach_the_gradient_but_not_the_output():
     torch.manual_seed(0)
-    plain = MoELayer(config(balancing="none"))
-    with_losses = MoELayer(config(balancing="aux_loss", aux_loss_coeff=0.5, z_loss_coeff=0.1))
+    plain = MoELayer(config(balancing={"methods": "none"}))
+    with_losses = MoELayer(config(balancing={"methods": "aux_loss", "aux_loss_coeff": 0.5,
+                                           "z_loss_coeff": 0.1}))
     with_losses.load_state_dict(plain.state_dict())
     x, grad = torch.randn(8, 2, D), torch.randn(8, 2, D)
     out_plain, _ = plain(x)

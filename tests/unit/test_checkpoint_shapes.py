@@ -28,12 +28,15 @@ CHANGES = [
     ({"model": {"seq_length": 64}}, "model.seq_length"),  # learned absolute positions
     ({"moe": {"ffn_hidden_size": 16}}, "moe.ffn_hidden_size"),
     ({"moe": {"num_experts": 8}}, "moe.num_experts"),
-    ({"moe": {"shared_expert_ffn_size": 16}}, "moe.shared_expert_ffn_size"),
-    ({"moe": {"shared_expert_gate": True}}, "moe.shared_expert_gate"),
-    ({"moe": {"activation": "gelu"}}, "moe.activation"),
+    ({"moe": {"shared_expert": {"ffn_hidden_size": 16}}}, "moe.shared_expert.ffn_hidden_size"),
+    ({"moe": {"shared_expert": {"gate": True}}}, "moe.shared_expert.gate"),
+    ({"moe": {"experts": {"activation": "gelu"}}}, "moe.experts.activation"),
     ({"moe": {"layer_overrides": {2: {"num_experts": 8}}}}, "moe.layer_overrides.2.num_experts"),
+    ({"moe": {"layer_overrides": {2: {"experts": {"activation": "gelu"}}}}},
+     "moe.layer_overrides.2.experts.activation"),
     ({"moe": {"topk": 1}}, None),
-    ({"moe": {"score_function": "softmax", "balancing": "aux_loss"}}, None),
+    ({"moe": {"router": {"score_function": "softmax"}, "balancing": {"methods": "aux_loss"}}},
+     None),
     ({"moe": {"layer_overrides": {2: {"topk": 1}}}}, None),
     ({"model": {"moe_layer_freq": [0, 1, 1, 1]}}, None),  # the pattern first_k_dense=1 gives
     ({"model": {"hidden_dropout": 0.1, "rotary_base": 500}}, None),
@@ -53,16 +56,15 @@ def megatron():
 
 def _config(change: dict):
     """A tiny GPT-MoE (a dense first layer, a shared expert) with `change` applied."""
+    from megamoe.settings import deep_merge
     from megamoe.train.config import config_from_dict
 
     raw = {"model": {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
                      "ffn_hidden_size": 64, "seq_length": 32, "first_k_dense": 1},
            "moe": {"num_experts": 4, "ffn_hidden_size": 32, "topk": 2,
-                   "score_function": "sigmoid", "balancing": "bias",
-                   "shared_expert_ffn_size": 32}}
-    for section, settings in change.items():
-        raw[section] = {**raw[section], **settings}
-    return config_from_dict(raw)
+                   "router": {"score_function": "sigmoid"}, "balancing": {"methods": "bias"},
+                   "shared_expert": {"ffn_hidden_size": 32}}}
+    return config_from_dict(deep_merge(raw, change))
 
 
 def _tensor_shapes(config) -> dict:
@@ -78,7 +80,10 @@ def _tensor_shapes(config) -> dict:
 
 
 def _common(config) -> dict:
-    return {"format_version": 1, "train_state": {"iteration": 2, "consumed_samples": 8},
+    from megamoe.train.checkpoint_schema import FORMAT_VERSION
+
+    return {"format_version": FORMAT_VERSION,
+            "train_state": {"iteration": 2, "consumed_samples": 8},
             "layout": {"world_size": 1}, "config": config.to_dict()}
 
 
@@ -99,13 +104,24 @@ def test_the_verdict_is_whether_megatron_builds_other_tensors(megatron, change, 
     assert f"holds a model with {setting}=" in message and f"set {setting}=" in message
 
 
-def test_a_converters_model_sections_are_compared_and_megatron_lm_args_too():
+def test_a_converters_model_sections_are_compared_and_megatron_lm_args_too(capsys):
     from megamoe.train.checkpoint_shapes import check_weights_fit
 
     saved, run = _config({}), _config({"moe": {"num_experts": 8}})
     sections = {key: saved.to_dict()[key] for key in ("model", "moe")}
     with pytest.raises(CheckpointError, match="moe.num_experts=4 but this run's config says 8"):
         check_weights_fit({"megamoe_model": sections, "iteration": 0}, run, PATH)
+    # An older converter wrote its MoE settings flat: read as the same tree, without the
+    # notes a flat key of a user's config prints.
+    flat = {"num_experts": 4, "ffn_hidden_size": 32, "topk": 2, "score_function": "sigmoid",
+            "balancing": "bias", "shared_expert_ffn_size": 32}
+    older = {"megamoe_model": {"model": sections["model"], "moe": flat}, "iteration": 0}
+    check_weights_fit(older, saved, PATH)
+    with pytest.raises(CheckpointError, match="moe.shared_expert.ffn_hidden_size=32 but this "
+                                              "run's config says 16"):
+        check_weights_fit(older, _config({"moe": {"shared_expert": {"ffn_hidden_size": 16}}}),
+                          PATH)
+    assert "note:" not in capsys.readouterr().err
     args = argparse.Namespace(num_layers=4, hidden_size=32, num_attention_heads=4,
                               ffn_hidden_size=64, num_experts=4, moe_ffn_hidden_size=32)
     megatron_lm = {"args": args, "checkpoint_version": 3.0, "iteration": 0}

@@ -21,10 +21,10 @@ PACKAGE = REPO / "megamoe"
 # Lowest first. A module belongs to the layer of its longest matching prefix.
 LAYERS = {
     "base": ["megamoe.errors", "megamoe.atomic", "megamoe.bounded", "megamoe.paths",
-             "megamoe.ownership", "megamoe.children"],
+             "megamoe.ownership", "megamoe.children", "megamoe.settings"],
     "core": ["megamoe", "megamoe.registry", "megamoe.config", "megamoe.routing",
              "megamoe.balancing", "megamoe.dispatch", "megamoe.experts", "megamoe.parallel",
-             "megamoe.layer"],
+             "megamoe.layer", "megamoe.optim"],
     "megatron": ["megamoe.megatron"],
     "checkpointing": ["megamoe.checkpointing"],
     "train": ["megamoe.train"],

@@ -5,7 +5,7 @@ import statistics
 
 import torch
 
-from megamoe import MoEConfig
+from megamoe import BalancingConfig, MoEConfig, TopPRouterConfig
 from megamoe.balancing.inference import tallying_inference_routing
 from megamoe.layer import MoELayer
 from megamoe.train.evaluate import routing_metrics
@@ -18,7 +18,8 @@ D, E = 16, 8
 def top_p_layer() -> MoELayer:
     torch.manual_seed(0)
     layer = MoELayer(MoEConfig(hidden_size=D, num_experts=E, ffn_hidden_size=24,
-                               router_type="top_p", top_p_threshold=0.5, balancing="aux_loss"))
+                               router=TopPRouterConfig(threshold=0.5),
+                               balancing=BalancingConfig(methods="aux_loss")))
     with torch.no_grad():  # a confident router: the number of experts differs between tokens
         layer.router.weight.normal_(0.0, 0.5)
     return layer

@@ -98,11 +98,11 @@ def _config(**moe):
 
 
 @pytest.mark.parametrize("moe, arch, phrase", [
-    ({"score_function": "sigmoid"}, "mixtral", "score_function='sigmoid'"),
-    ({"num_groups": 2, "groups_per_token": 1}, "mixtral", "group-limited"),
-    ({"router_type": "top_p"}, "qwen3_moe", "router_type='top_p'"),
-    ({"pre_softmax": True}, "mixtral", "renormalisation"),
-    ({"capacity_factor": 1.0}, "mixtral", "capacity_factor"),
+    ({"router": {"score_function": "sigmoid"}}, "mixtral", "score_function='sigmoid'"),
+    ({"router": {"num_groups": 2, "groups_per_token": 1}}, "mixtral", "group-limited"),
+    ({"router": {"kind": "top_p"}}, "qwen3_moe", "router.kind='top_p'"),
+    ({"router": {"pre_softmax": True}}, "mixtral", "renormalisation"),
+    ({"dispatcher": {"capacity_factor": 1.0}}, "mixtral", "capacity_factor"),
     ({}, "qwen2_moe", "gated shared expert"),
 ])
 def test_export_refuses_what_the_architecture_cannot_express(moe, arch, phrase):
@@ -129,7 +129,8 @@ def test_a_model_megamoe_made_exports_its_real_context_rope_ids_and_aux_weight()
     config = config_from_dict({
         "model": {"position_embedding": "rope", "seq_length": 512, "rope_scaling_factor": 8.0,
                   "num_layers": 2},
-        "moe": {"num_experts": 4, "ffn_hidden_size": 32, "topk": 2, "aux_loss_coeff": 0.02}})
+        "moe": {"num_experts": 4, "ffn_hidden_size": 32, "topk": 2,
+                "balancing": {"aux_loss_coeff": 0.02}}})
     ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}
     out = exported_configs("mixtral", config, [True, True], 4096, "float32", None, ids)
     read = AutoConfig.for_model(**out.config)
@@ -144,8 +145,9 @@ def test_a_model_megamoe_made_exports_its_real_context_rope_ids_and_aux_weight()
                   "num_layers": 2, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_head_dim": 16,
                   "qk_pos_emb_head_dim": 8, "v_head_dim": 16, "seq_length": 128,
                   "yarn": {"factor": 4.0, "original_max_position_embeddings": 256}},
-        "moe": {"num_experts": 4, "ffn_hidden_size": 32, "topk": 2, "score_function": "sigmoid",
-                "balancing": ["bias", "seq_aux_loss"]}})
+        "moe": {"num_experts": 4, "ffn_hidden_size": 32, "topk": 2,
+                "router": {"score_function": "sigmoid"},
+                "balancing": {"methods": ["bias", "seq_aux_loss"]}}})
     out = exported_configs("deepseek_v3", yarn, [True, True], 4096, "float32", None, ids)
     assert AutoConfig.for_model(**out.config).max_position_embeddings == 1024
 
@@ -177,7 +179,7 @@ def test_train_config_caps_a_long_context_and_explains_each_choice():
     """A 32k-context Qwen3-MoE: train_config.yaml loads as a training config, trains at the CPU
     cap with a comment saying so, on the model's tokenizer and vocabulary, with the source's
     balancing (global-batch Switch loss, router_aux_loss_coef); every chosen setting has a
-    comment."""
+    comment, a nested setting one key a line with its note."""
     import yaml
 
     from megamoe.upcycle.train_recipe import (CPU_CONTEXT_CAP, ConvertedModel,
@@ -185,20 +187,23 @@ def test_train_config_caps_a_long_context_and_explains_each_choice():
 
     sections = {"model": {"num_layers": 2, "position_embedding": "rope"},
                 "moe": {"num_experts": 4, "ffn_hidden_size": 32, "topk": 2,
-                        "balancing": "global_aux_loss", "aux_loss_coeff": 0.001}}
+                        "balancing": {"methods": "global_aux_loss", "aux_loss_coeff": 0.001}}}
     model = ConvertedModel("tools/import_hf.py", "a model", Path("/out"), 32768, 151936,
                            Path("/out/release/tokenizer"),
-                           {"moe": {"balancing": "as Qwen3 trained"}})
+                           {"moe": {"balancing.methods": "as Qwen3 trained"}})
     text = train_config_text(sections, model)
     loaded = yaml.safe_load(text)
     config = config_from_dict(loaded)
     assert config.model.seq_length == CPU_CONTEXT_CAP < 32768
     assert (config.data.tokenizer, config.data.vocab_size) == ("/out/release/tokenizer", 151936)
-    assert config.moe["balancing"] == "global_aux_loss" and config.checkpoint.init_from == "/out"
+    moe = config.moe_config()
+    assert moe.balancing.methods == "global_aux_loss" and moe.balancing.aux_loss_coeff == 0.001
+    assert config.checkpoint.init_from == "/out"
     lines = dict(line.strip().split(": ", 1) for line in text.splitlines()
-                 if line.startswith("  "))
+                 if line.startswith("  ") and ": " in line)
     assert "capped at 512 for the CPU default" in lines["seq_length"]
-    assert lines["balancing"].endswith("# as Qwen3 trained")
+    assert "  balancing:" in text.splitlines()
+    assert lines["methods"].endswith("# as Qwen3 trained")
     for section in continued_pretraining_settings(model).values():
         assert all("  # " in lines[key] for key in section)
 

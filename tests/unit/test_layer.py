@@ -4,6 +4,7 @@ import torch
 
 from megamoe import MoEConfig
 from megamoe.layer import MoELayer
+from megamoe.settings import deep_merge
 from megamoe.parallel import SingleComm
 from mock_ranks import expert_parallel_replica, run_ranks
 
@@ -13,9 +14,11 @@ D = 16
 
 
 def make_layer(**changes):
+    """A layer of the tiny config with nested `changes` (e.g. router={"kind": "top_p"})."""
     torch.manual_seed(0)
-    base = dict(hidden_size=D, num_experts=8, ffn_hidden_size=24, topk=2, balancing="aux_loss")
-    return MoELayer(MoEConfig(**{**base, **changes}))
+    base = dict(hidden_size=D, num_experts=8, ffn_hidden_size=24, topk=2,
+                balancing={"methods": "aux_loss"})
+    return MoELayer(MoEConfig.from_dict(deep_merge(base, changes)))
 
 
 def chosen_and_gates(layer, x_TD):
@@ -28,7 +31,7 @@ def chosen_and_gates(layer, x_TD):
 @pytest.mark.parametrize("activation", ["swiglu", "gelu", "squared_relu"])
 @pytest.mark.parametrize("router_type", ["topk", "top_p"])
 def test_layer_matches_naive_loop(activation, router_type):
-    layer = make_layer(activation=activation, router_type=router_type)
+    layer = make_layer(experts={"activation": activation}, router={"kind": router_type})
     x = torch.randn(10, 3, D)
     out, bias = layer(x)
     assert bias is None
@@ -47,7 +50,7 @@ def test_layer_matches_naive_loop(activation, router_type):
 
 
 def test_shared_expert_with_gate_is_added():
-    layer = make_layer(shared_expert_ffn_size=20, shared_expert_gate=True)
+    layer = make_layer(shared_expert={"ffn_hidden_size": 20, "gate": True})
     x = torch.randn(5, 2, D)
     out, _ = layer(x)
     x_TD = x.reshape(-1, D)
@@ -66,7 +69,8 @@ def test_shared_expert_with_gate_is_added():
 
 @pytest.mark.parametrize("policy", ["probs", "position"])
 def test_capacity_drops_exactly_what_the_policy_says(policy):
-    layer = make_layer(capacity_factor=0.5, drop_policy=policy, score_function="sigmoid")
+    layer = make_layer(dispatcher={"capacity_factor": 0.5, "drop_policy": policy},
+                       router={"score_function": "sigmoid"})
     x = torch.randn(40, 1, D)
     x_TD = x.reshape(-1, D)
     out, _ = layer(x)
@@ -82,27 +86,29 @@ def test_capacity_drops_exactly_what_the_policy_says(policy):
 
 
 def test_padding_tokens_go_to_no_expert():
-    layer = make_layer(shared_expert_ffn_size=8)
+    layer = make_layer(shared_expert={"ffn_hidden_size": 8})
     x = torch.randn(6, 2, D)
     padding = torch.zeros(2, 6, dtype=torch.bool)
     padding[1, 4:] = True  # sequence 1, last two positions
     out, _ = layer(x, padding_mask=padding)
     shared_only = layer.shared_experts(x[4:, 1])
     torch.testing.assert_close(out[4:, 1], shared_only)
-    assert float(layer.router.load.sums[0]) == 10  # real tokens counted
+    assert float(layer.router.load.stats.tokens) == 10  # real tokens counted
 
 
 EP_CASES = {
     "topk": dict(),
-    "group_limited": dict(num_groups=4, groups_per_token=2, score_function="sigmoid",
-                          balancing="bias"),
-    "top_p": dict(router_type="top_p"),
-    "capacity": dict(capacity_factor=0.75),
-    "shared_seq_aux": dict(shared_expert_ffn_size=12, balancing="seq_aux_loss", z_loss_coeff=1e-2),
-    "threshold": dict(router_type="threshold", score_function="sigmoid", topk=1,
-                      balancing="none", shared_expert_ffn_size=12),
-    "erc_adaptive_norm": dict(balancing="adaptive_aux_loss", erc_loss_coeff=0.5, erc_noise=0.0,
-                              gate_logit_norm=1.0, capacity_factor=1.0),
+    "group_limited": dict(router={"num_groups": 4, "groups_per_token": 2,
+                                  "score_function": "sigmoid"}, balancing={"methods": "bias"}),
+    "top_p": dict(router={"kind": "top_p"}),
+    "capacity": dict(dispatcher={"capacity_factor": 0.75}),
+    "shared_seq_aux": dict(shared_expert={"ffn_hidden_size": 12},
+                           balancing={"methods": "seq_aux_loss", "z_loss_coeff": 1e-2}),
+    "threshold": dict(router={"kind": "threshold"}, topk=1, balancing={"methods": "none"},
+                      shared_expert={"ffn_hidden_size": 12}),
+    "erc_adaptive_norm": dict(balancing={"methods": "adaptive_aux_loss", "erc_loss_coeff": 0.5,
+                                         "erc_noise": 0.0},
+                              router={"gate_logit_norm": 1.0}, dispatcher={"capacity_factor": 1.0}),
 }
 
 
@@ -140,14 +146,14 @@ def test_mock_expert_parallel_equals_single_process(ep, case):
         grads = [res[2][name] for res in results]
         got = torch.cat(grads) if name.startswith("experts.") else sum(grads)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    if EP_CASES[case].get("balancing") != "aux_loss":  # no cross-rank loss: EP=1 on one process
+    if EP_CASES[case].get("balancing", {}).get("methods") != "aux_loss":  # no cross-rank loss: EP=1 on one process
         for r in range(ep):
             torch.testing.assert_close(results[r][0], layer(x[r])[0].detach(),
                                        rtol=1e-5, atol=1e-5)
 
 
 def test_mock_rank_receiving_zero_tokens():
-    layer = make_layer(topk=1, balancing="none")
+    layer = make_layer(topk=1, balancing={"methods": "none"})
     with torch.no_grad():  # every token prefers experts 0..3, which live on rank 0 of 2
         layer.router.weight[4:] = -10.0
         layer.router.weight[:4] = layer.router.weight[:4].abs()
@@ -173,12 +179,12 @@ def test_mock_rank_receiving_zero_tokens():
 def test_layer_on_cuda_matches_cpu(dtype):
     """The layer on CUDA (grouped GEMM, as on CPU) against the fp32 CPU layer
     (which gets the same dtype-rounded weights and input, so routing decisions agree)."""
-    layer = make_layer(shared_expert_ffn_size=32, num_experts=8, topk=2)
+    layer = make_layer(shared_expert={"ffn_hidden_size": 32}, num_experts=8, topk=2)
     layer.load_state_dict({k: v.to(dtype).float() for k, v in layer.state_dict().items()})
     x = torch.randn(64, 4, D).to(dtype)
     ref, _ = layer(x.float())
     ref.sum().backward()
-    cuda_layer = make_layer(shared_expert_ffn_size=32, num_experts=8, topk=2)
+    cuda_layer = make_layer(shared_expert={"ffn_hidden_size": 32}, num_experts=8, topk=2)
     cuda_layer.load_state_dict(layer.state_dict())
     cuda_layer.to("cuda", dtype)
     out, _ = cuda_layer(x.to("cuda"))

@@ -9,8 +9,9 @@ from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear
                                                      track_moe_metrics)
 from megatron.core.transformer.moe.router import TopKRouter
 
-from megamoe import MoEConfig
+from megamoe import ConfigError, MoEConfig
 from megamoe.balancing import maxvio, step_balancing
+from megamoe.balancing.owner import StepOwner
 from megamoe.layer import MoELayer
 from megamoe.megatron.compat import reset_moe_tracker
 from megamoe.megatron.fields import moe_config_from_transformer_config
@@ -150,10 +151,12 @@ def test_per_token_loss_scaling_matches_megatron(megatron):
 
 
 def test_softmax_scores_with_bias_stay_available_in_megamoe_config():
-    cfg = MoEConfig(hidden_size=H, num_experts=E, ffn_hidden_size=8, score_function="softmax",
-                    balancing=["bias", "seq_aux_loss", "aux_loss"], aux_loss_coeff=[1e-4, 1e-3])
-    assert cfg.uses_expert_bias and cfg.balance_loss_coeffs == {"seq_aux_loss": 1e-4,
-                                                               "aux_loss": 1e-3}
+    cfg = MoEConfig.from_dict({"hidden_size": H, "num_experts": E, "ffn_hidden_size": 8,
+                               "router": {"score_function": "softmax"},
+                               "balancing": {"methods": ["bias", "seq_aux_loss", "aux_loss"],
+                                             "aux_loss_coeff": [1e-4, 1e-3]}})
+    assert cfg.balancing.uses_expert_bias and cfg.balancing.loss_coeffs == {
+        "seq_aux_loss": 1e-4, "aux_loss": 1e-3}
     layer = MoELayer(cfg)
     layer.router.expert_bias.copy_(torch.linspace(-1, 1, E))
     routing = layer.router(torch.randn(10, H))
@@ -178,8 +181,8 @@ def heterogeneous_gpt():
                                  moe_router_load_balancing_type="seq_aux_loss",
                                  moe_aux_loss_coeff=1e-4, moe_z_loss_coeff=1e-3)
     spec = gpt_decoder_block_spec(tc, layer_overrides={2: {"num_experts": 8, "topk": 3},
-                                                       3: {"balancing": "aux_loss",
-                                                           "aux_loss_coeff": 1e-2}})
+                                                       3: {"balancing": {"methods": "aux_loss",
+                                                                         "aux_loss_coeff": 1e-2}}})
     model = GPTModel(tc, spec, vocab_size=64, max_sequence_length=16,
                      share_embeddings_and_output_weights=False)
     return tc, model
@@ -188,7 +191,7 @@ def heterogeneous_gpt():
 def test_megatron_finalize_model_grads_drives_heterogeneous_layers(megatron):
     tc, model = heterogeneous_gpt()
     layers = [m for m in model.modules() if isinstance(m, MegatronMoELayer)]
-    assert [(l.cfg.num_experts, l.cfg.uses_expert_bias) for l in layers] == \
+    assert [(l.cfg.num_experts, l.cfg.balancing.uses_expert_bias) for l in layers] == \
         [(4, True), (8, True), (4, False)]
     assert not hasattr(layers[2].router, "expert_bias")
     captured = {id(l.router): [] for l in layers}
@@ -231,7 +234,7 @@ def test_megatron_finalize_model_grads_drives_heterogeneous_layers(megatron):
         assert totals["z_loss"] > 0
     # Each step's tracker held that step only: micro-batch counts did not grow.
     for layer in layers:
-        assert float(layer.router.load.sums[3]) == 2
+        assert float(layer.router.load.stats.microbatches) == 2
     biases = [layer.router.bias_E.clone() for layer in layers[:2]]
     metrics = step_balancing(model)  # safe after Megatron's update: metrics, no second update
     assert all(torch.equal(b, l.router.bias_E) for b, l in zip(biases, layers[:2]))
@@ -279,7 +282,7 @@ def test_moe_layer_recompute_recomputes_the_layer_and_counts_it_once(megatron):
         out, _ = layer(x)
         (out ** 2).sum().backward()
         grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
-        results[name] = (len(calls), x.grad, grads, layer.router.load.selected_E.clone())
+        results[name] = (len(calls), x.grad, grads, layer.router.load.stats.selected_E.clone())
     (plain_calls, plain_dx, plain_grads, plain_counts), (calls, dx, grads, counts) = \
         results["plain"], results["recomputed"]
     assert (plain_calls, calls) == (1, 2)
@@ -290,12 +293,12 @@ def test_moe_layer_recompute_recomputes_the_layer_and_counts_it_once(megatron):
 
 
 STEP_STATE = {
-    "threshold": dict(router_type="threshold", score_function="sigmoid", topk=1,
-                      balancing="none", threshold_warmup_steps=1, threshold_ema_decay=0.5),
-    "adaptive_aux": dict(balancing="adaptive_aux_loss", aux_loss_coeff=1e-2,
-                         capacity_factor=1.0),
-    "bias_without_megatron_flag": dict(balancing="bias", score_function="sigmoid",
-                                       bias_update_rate=0.05),
+    "threshold": {"router": {"kind": "threshold", "warmup_steps": 1, "ema_decay": 0.5},
+                  "topk": 1, "balancing": {"methods": "none"}},
+    "adaptive_aux": {"balancing": {"methods": "adaptive_aux_loss", "aux_loss_coeff": 1e-2},
+                     "dispatcher": {"capacity_factor": 1.0}},
+    "bias_without_megatron_flag": {"balancing": {"methods": "bias", "bias_update_rate": 0.05},
+                                   "router": {"score_function": "sigmoid"}},
 }
 
 
@@ -311,8 +314,10 @@ def test_megatron_lm_loop_applies_what_only_step_balancing_applied(megatron, cas
     micro-batch as under megamoe's own loop and reaches the same state."""
     tc = tiny_transformer_config(num_layers=1, hidden_size=H, num_attention_heads=2,
                                  num_moe_experts=E, moe_router_topk=2, moe_ffn_hidden_size=8)
-    reference = MegatronMoELayer(tc, moe=STEP_STATE[case])
-    megatron_lm = MegatronMoELayer(tc, moe=STEP_STATE[case])
+    cfg = moe_config_from_transformer_config(tc, STEP_STATE[case])
+    reference = MegatronMoELayer(tc, moe=cfg, step_owner=StepOwner.STEP_BALANCING)
+    megatron_lm = MegatronMoELayer(tc, moe=cfg)  # Megatron-LM's loop: no owner in the spec
+    assert megatron_lm.router.step_owner is StepOwner.NEXT_FORWARD
     megatron_lm.load_state_dict(reference.state_dict())
     initial = _step_state(reference.router)
 
@@ -339,3 +344,42 @@ def test_megatron_lm_loop_applies_what_only_step_balancing_applied(megatron, cas
     for n, value in _step_state(megatron_lm.router).items():
         torch.testing.assert_close(value, our_states[3][n])
     assert their_states[0].keys() == initial.keys()
+
+
+# ---------------------------------------------------------------------------------------------
+# Who ends a step, decided when the model is built
+
+def test_the_step_owner_is_named_when_the_layer_is_built(megatron):
+    settings = dict(num_layers=1, hidden_size=H, num_attention_heads=2, num_moe_experts=E,
+                    moe_router_topk=2, moe_ffn_hidden_size=8, moe_router_score_function="sigmoid")
+    flagged = tiny_transformer_config(moe_router_enable_expert_bias=True, **settings)
+    plain = tiny_transformer_config(**settings)
+    bias = moe_config_from_transformer_config(plain, {"balancing": {"methods": "bias"}})
+    owners = {"megatron_lm_with_flag": MegatronMoELayer(flagged),
+              "megatron_lm_without_flag": MegatronMoELayer(plain, moe=bias),
+              "megamoe_trainer": MegatronMoELayer(plain, moe=bias,
+                                                  step_owner=StepOwner.STEP_BALANCING)}
+    assert {name: layer.router.step_owner for name, layer in owners.items()} == {
+        "megatron_lm_with_flag": StepOwner.FINALIZE_MODEL_GRADS,
+        "megatron_lm_without_flag": StepOwner.NEXT_FORWARD,
+        "megamoe_trainer": StepOwner.STEP_BALANCING}
+    # Megatron's finalize_model_grads finds the counts only where it owns the bias.
+    assert [hasattr(layer.router, "local_tokens_per_expert") for layer in owners.values()] == \
+        [True, False, False]
+
+
+def test_a_bias_has_one_owner(megatron):
+    """finalize_model_grads updates every bias at moe_router_bias_update_rate when the flag is
+    on: a layer whose bias something else updates, or that needs a schedule, is refused."""
+    tc = tiny_transformer_config(num_layers=1, hidden_size=H, num_attention_heads=2,
+                                 num_moe_experts=E, moe_router_topk=2, moe_ffn_hidden_size=8,
+                                 moe_router_score_function="sigmoid",
+                                 moe_router_enable_expert_bias=True)
+    cfg = moe_config_from_transformer_config(tc)
+    with pytest.raises(ConfigError, match="updated by step_balancing; turn the flag on exactly"):
+        MegatronMoELayer(tc, moe=cfg, step_owner=StepOwner.STEP_BALANCING)
+    scheduled = cfg.merged({"balancing": {"bias_update_schedule": [[100, 0.0]]}})
+    with pytest.raises(ConfigError) as err:
+        MegatronMoELayer(tc, moe=scheduled)
+    assert "balancing.bias_update_schedule=[[100, 0.0]]" in str(err.value)
+    assert "\n" not in str(err.value)

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from megamoe.balancing import step_balancing
+from megamoe.balancing.owner import StepOwner
+from megamoe.megatron.fields import moe_config_from_transformer_config
 from tiny_models import build_gpt, tiny_transformer_config
 from megamoe.megatron.masks import attention_mask_for
 from megamoe.megatron.moe_module import MegatronMoELayer
@@ -48,8 +50,15 @@ def lm_loss(model, tokens, labels):
 
 
 def test_gpt_with_megamoe_layers_trains_and_balances(megatron):
-    config = moe_config()
-    model = gpt(config, gpt_decoder_block_spec(config, layer_overrides={2: {"num_experts": 8}}))
+    """Trained by a plain loop that calls step_balancing (megamoe's trainer's owner)."""
+    config = moe_config(moe_router_enable_expert_bias=False)
+    moe = moe_config_from_transformer_config(config, {"balancing": {"methods": "bias"}})
+
+    def spec():
+        return gpt_decoder_block_spec(config, moe, layer_overrides={2: {"num_experts": 8}},
+                                      step_owner=StepOwner.STEP_BALANCING)
+
+    model = gpt(config, spec())
     moe_layers = [m for m in model.modules() if isinstance(m, MegatronMoELayer)]
     assert [layer.cfg.num_experts for layer in moe_layers] == [4, 8]
     assert [layer.router.layer_number for layer in moe_layers] == [2, 3]
@@ -66,7 +75,7 @@ def test_gpt_with_megamoe_layers_trains_and_balances(megatron):
     assert {"moe/layer2/maxvio_global", "moe/layer3/maxvio_global"} <= set(metrics)
     assert all(layer.router.expert_bias.abs().sum() > 0 for layer in moe_layers)
 
-    fresh = gpt(config, gpt_decoder_block_spec(config, layer_overrides={2: {"num_experts": 8}}))
+    fresh = gpt(config, spec())
     fresh.load_state_dict(model.state_dict())
     for old, new in zip(moe_layers, [m for m in fresh.modules() if isinstance(m, MegatronMoELayer)]):
         assert torch.equal(old.router.expert_bias, new.router.expert_bias)
@@ -74,6 +83,21 @@ def test_gpt_with_megamoe_layers_trains_and_balances(megatron):
     tokens, labels = lm_batch(99)
     with torch.no_grad():
         assert torch.equal(lm_loss(model, tokens, labels), lm_loss(fresh, tokens, labels))
+
+
+def test_the_spec_carries_each_layers_object(megatron):
+    """The layers are configured by the very objects the spec was given; Megatron-LM's block
+    spec function maps the flags into one object that every layer holds."""
+    config = moe_config()
+    base = moe_config_from_transformer_config(config)
+    other = base.merged({"num_experts": 8, "topk": 1, "router": {"kind": "top_p"}})
+    model = gpt(config, gpt_decoder_block_spec(config, base, layer_overrides={2: other}))
+    layers = [m for m in model.modules() if isinstance(m, MegatronMoELayer)]
+    assert layers[0].cfg is base and layers[1].cfg is other
+    assert type(layers[1].router).__name__ == "MegatronTopPRouter"
+    mapped = gpt(config, decoder_block_spec(config, vp_stage=None))
+    first, second = [m.cfg for m in mapped.modules() if isinstance(m, MegatronMoELayer)]
+    assert first is second and first == base
 
 
 def test_moe_layer_pattern():
@@ -107,7 +131,7 @@ def test_megatron_finalize_model_grads_updates_megamoe_bias(megatron):
     routers = [m.router for m in model.modules() if isinstance(m, MegatronMoELayer)]
     expected = []
     for router in routers:
-        counts = router.load.selected_E.clone()
+        counts = router.load.stats.selected_E.clone()
         rate = config.moe_router_bias_update_rate
         expected.append(router.expert_bias + rate * torch.sign(counts.mean() - counts))
     _update_router_expert_bias([model], config)

@@ -27,7 +27,7 @@ from torch import nn
 
 sys.path.insert(0, sys.argv[1])
 from reference import naive_moe
-from megamoe import MoEConfig
+from megamoe import BalancingConfig, MoEConfig
 from megamoe.balancing import step_balancing
 from megamoe.layer import MoELayer
 
@@ -39,9 +39,10 @@ class TinyLM(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(V, D)
-        self.moe = MoELayer(MoEConfig(hidden_size=D, num_experts=4, ffn_hidden_size=32, topk=2,
-                                      balancing=["bias", "aux_loss"], aux_loss_coeff=1e-2,
-                                      bias_update_rate=1e-2))
+        self.moe = MoELayer(MoEConfig(
+            hidden_size=D, num_experts=4, ffn_hidden_size=32, topk=2,
+            balancing=BalancingConfig(methods=["bias", "aux_loss"], aux_loss_coeff=1e-2,
+                                      bias_update_rate=1e-2)))
         self.head = nn.Linear(D, V)
 
     def forward(self, tokens_BS):
@@ -119,8 +120,9 @@ def test_layer_config_names_come_from_the_registries():
     assert set(DISPATCHERS.names()) == {"alltoall", "allgather"}
     assert set(ACTIVATIONS.names()) == {"swiglu", "gelu", "squared_relu"}
     base = dict(hidden_size=8, num_experts=4, ffn_hidden_size=8)
-    for field, registry in (("router_type", ROUTERS), ("dispatcher", DISPATCHERS),
-                            ("activation", ACTIVATIONS)):
+    for section, field, registry in (("router", "kind", ROUTERS),
+                                     ("dispatcher", "kind", DISPATCHERS),
+                                     ("experts", "activation", ACTIVATIONS)):
         with pytest.raises(ConfigError, match=re.escape(
-                f"{field}='nope' is not one of {list(registry.names())}")):
-            MoEConfig(**base, **{field: "nope"})
+                f"{section}.{field}='nope' is not one of {list(registry.names())}")):
+            MoEConfig.from_dict({**base, section: {field: "nope"}})

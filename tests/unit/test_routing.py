@@ -4,6 +4,7 @@ import torch
 
 from megamoe import MoEConfig
 from megamoe.routing import ROUTERS
+from megamoe.settings import deep_merge
 
 from reference import naive_top_p, naive_topk
 
@@ -11,9 +12,11 @@ T, D, E = 64, 16, 8
 
 
 def make_router(**changes):
+    """The router of the tiny config with nested `changes` (e.g. router={"kind": "top_p"})."""
     torch.manual_seed(0)
-    cfg = MoEConfig(hidden_size=D, num_experts=E, ffn_hidden_size=32, **changes)
-    return ROUTERS[cfg.router_type](cfg)
+    cfg = MoEConfig.from_dict(deep_merge(dict(hidden_size=D, num_experts=E, ffn_hidden_size=32),
+                                         changes))
+    return ROUTERS[cfg.router.kind](cfg)
 
 
 def chosen_sets(selected_TE):
@@ -24,8 +27,9 @@ def chosen_sets(selected_TE):
     ("softmax", False), ("softmax", True), ("sigmoid", False)])
 @pytest.mark.parametrize("scaling", [None, 2.5])
 def test_topk_matches_naive(score_function, pre_softmax, scaling):
-    router = make_router(topk=2, score_function=score_function, pre_softmax=pre_softmax,
-                         topk_scaling_factor=scaling)
+    router = make_router(topk=2, router={"score_function": score_function,
+                                         "pre_softmax": pre_softmax,
+                                         "topk_scaling_factor": scaling})
     x = torch.randn(T, D)
     with torch.no_grad():
         routing = router(x)
@@ -47,8 +51,9 @@ def test_topk_matches_naive(score_function, pre_softmax, scaling):
 def test_group_limited_topk_matches_naive(topk, group_score_topk):
     """Groups scored by topk / groups_per_token experts (Megatron-Core's rule), or by
     group_score_topk (DeepSeek-V3's 2 whatever the top-k; a top-k not a multiple of it)."""
-    router = make_router(topk=topk, num_groups=4, groups_per_token=2, score_function="sigmoid",
-                         group_score_topk=group_score_topk)
+    router = make_router(topk=topk, router={"num_groups": 4, "groups_per_token": 2,
+                                            "score_function": "sigmoid",
+                                            "group_score_topk": group_score_topk})
     x = torch.randn(T, D)
     routing = router(x)
     scores = (x @ router.weight.detach().t()).sigmoid()
@@ -60,7 +65,8 @@ def test_group_limited_topk_matches_naive(topk, group_score_topk):
 
 
 def test_bias_steers_selection_only():
-    router = make_router(topk=2, balancing="bias", score_function="sigmoid")
+    router = make_router(topk=2, balancing={"methods": "bias"},
+                         router={"score_function": "sigmoid"})
     bias = torch.linspace(-0.5, 0.5, E)
     router.expert_bias.copy_(bias)
     x = torch.randn(T, D)
@@ -75,7 +81,8 @@ def test_bias_steers_selection_only():
 
 
 def test_bias_gets_no_gradient_and_is_not_a_parameter():
-    router = make_router(topk=2, balancing="bias", score_function="softmax")
+    router = make_router(topk=2, balancing={"methods": "bias"},
+                         router={"score_function": "softmax"})
     router.expert_bias.fill_(0.1)
     routing = router(torch.randn(T, D))
     (routing.gates_TE.sum() + routing.probs_TE.square().sum()).backward()
@@ -86,7 +93,7 @@ def test_bias_gets_no_gradient_and_is_not_a_parameter():
 
 @pytest.mark.parametrize("p", [0.2, 0.4, 0.7, 1.0])
 def test_top_p_crossing_rule_matches_naive(p):
-    router = make_router(router_type="top_p", top_p_threshold=p)
+    router = make_router(router={"kind": "top_p", "threshold": p})
     x = torch.randn(T, D) * 3
     routing = router(x)
     probs = (x @ router.weight.detach().t()).softmax(-1)
@@ -99,7 +106,7 @@ def test_top_p_crossing_rule_matches_naive(p):
 
 
 def test_top_p_number_of_experts_varies():
-    router = make_router(router_type="top_p", top_p_threshold=0.5)
+    router = make_router(router={"kind": "top_p", "threshold": 0.5})
     with torch.no_grad():
         router.weight.mul_(50)
     counts = router(torch.randn(256, D)).selected_TE.sum(1)

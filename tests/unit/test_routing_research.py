@@ -14,6 +14,7 @@ from mock_ranks import expert_parallel_replica, run_ranks
 from megamoe.routing import ROUTERS
 from megamoe.routing.base_layers import balanced_assignment
 from megamoe.routing.sinkhorn import sinkhorn_potentials
+from megamoe.settings import deep_merge
 
 from reference import naive_expert
 
@@ -21,17 +22,20 @@ D, E = 16, 8
 
 
 def cfg(**changes):
-    base = dict(hidden_size=D, num_experts=E, ffn_hidden_size=12, topk=2, balancing="none")
-    return MoEConfig(**{**base, **changes})
+    """The tiny config with nested `changes` (e.g. router={"kind": "sinkhorn"})."""
+    base = dict(hidden_size=D, num_experts=E, ffn_hidden_size=12, topk=2,
+                balancing={"methods": "none"})
+    return MoEConfig.from_dict(deep_merge(base, changes))
 
 
-def threshold_cfg(**changes):
-    return cfg(router_type="threshold", score_function="sigmoid", topk=1, **changes)
+def threshold_cfg(**settings):
+    """A top-1 expert-threshold router with these router settings."""
+    return cfg(router={"kind": "threshold", **settings}, topk=1)
 
 
 def make_router(config):
     torch.manual_seed(0)
-    return ROUTERS[config.router_type](config)
+    return ROUTERS[config.router.kind](config)
 
 
 def logits_of(router, x):
@@ -47,7 +51,7 @@ def naive_kth_largest(logits, k):
 def test_threshold_ema_with_bias_correction_over_microbatches():
     """c_t = beta c + (1 - beta) mean of the step's micro-batch cutoffs; threshold c_t / (1 -
     beta^t); k = ceil(N * topk / E)."""
-    router = make_router(threshold_cfg(threshold_ema_decay=0.9))
+    router = make_router(threshold_cfg(ema_decay=0.9))
     ema, beta = [0.0] * E, 0.9
     torch.manual_seed(1)
     for step in range(1, 4):
@@ -63,8 +67,9 @@ def test_threshold_ema_with_bias_correction_over_microbatches():
         torch.testing.assert_close(router.thresholds_E, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("config", [threshold_cfg(threshold_ema_decay=0.9),
-                                    cfg(balancing="bias", bias_update_rate=0.1)],
+@pytest.mark.parametrize("config", [threshold_cfg(ema_decay=0.9),
+                                    cfg(balancing={"methods": "bias",
+                                                   "bias_update_rate": 0.1})],
                          ids=["threshold", "bias"])
 def test_a_discarded_step_leaves_no_trace_in_the_next_update(config):
     """A rolled-back step's routing (discard_step) does not reach the next step's update: the
@@ -84,7 +89,7 @@ def test_a_discarded_step_leaves_no_trace_in_the_next_update(config):
 
 
 def test_threshold_routing_and_gates_match_naive_after_warmup():
-    router = make_router(threshold_cfg(threshold_warmup_steps=0, threshold_capacity=None))
+    router = make_router(threshold_cfg(warmup_steps=0, capacity=None))
     with torch.no_grad():
         router.weight.mul_(20)
         router.threshold_ema.copy_(torch.linspace(0.5, 1.5, E) * (1 - 0.99))  # corrected: x1
@@ -107,7 +112,7 @@ def test_threshold_routing_and_gates_match_naive_after_warmup():
 
 
 def test_threshold_warmup_is_expert_choice_and_training_bounds_hold():
-    router = make_router(threshold_cfg(threshold_warmup_steps=1, threshold_capacity=0.5))
+    router = make_router(threshold_cfg(warmup_steps=1, capacity=0.5))
     x = torch.randn(64, D)
     logits = logits_of(router, x)
     k = math.ceil(64 / E)
@@ -131,7 +136,7 @@ def test_threshold_warmup_is_expert_choice_and_training_bounds_hold():
 
 
 def test_thresholds_frozen_at_inference_and_causal():
-    router = make_router(threshold_cfg(threshold_warmup_steps=0))
+    router = make_router(threshold_cfg(warmup_steps=0))
     x = torch.randn(32, D)
     router.record(router(x), {})
     step_balancing(router)
@@ -146,7 +151,7 @@ def test_thresholds_frozen_at_inference_and_causal():
 
 
 def test_thresholds_averaged_over_mock_replicas_and_saved():
-    config = threshold_cfg(threshold_ema_decay=0.5)
+    config = threshold_cfg(ema_decay=0.5)
     torch.manual_seed(3)
     x = torch.randn(4, 24, D)
     single = make_router(config)
@@ -172,7 +177,8 @@ def test_thresholds_averaged_over_mock_replicas_and_saved():
 
 
 def test_token_with_no_expert_gets_only_the_shared_expert():
-    layer = MoELayer(threshold_cfg(threshold_warmup_steps=0, shared_expert_ffn_size=8))
+    layer = MoELayer(threshold_cfg(warmup_steps=0).merged({"shared_expert":
+                                                           {"ffn_hidden_size": 8}}))
     with torch.no_grad():
         layer.router.threshold_ema.fill_(1e3)  # nobody clears
         layer.router.threshold_updates.fill_(1)
@@ -196,7 +202,7 @@ def test_sinkhorn_potentials_balance_the_plan():
 
 
 def test_sinkhorn_router_gates_from_plan_and_plain_topk_at_inference():
-    router = make_router(cfg(router_type="sinkhorn"))
+    router = make_router(cfg(router={"kind": "sinkhorn"}))
     x = torch.randn(50, D)
     logits = logits_of(router, x)
     log_v = sinkhorn_potentials(logits, 1e-4, 100)
@@ -249,7 +255,7 @@ def test_balanced_assignment_near_optimal_at_scale():
 
 
 def test_base_layer_output_form_and_greedy_inference():
-    layer = MoELayer(cfg(router_type="base", score_function="sigmoid", topk=1))
+    layer = MoELayer(cfg(router={"kind": "base"}, topk=1))
     x = torch.randn(16, 1, D)
     logits = logits_of(layer.router, x.reshape(-1, D))
     expert, _ = balanced_assignment(logits)
@@ -272,9 +278,9 @@ def test_base_layer_output_form_and_greedy_inference():
 def test_balanced_routers_same_at_ep1_and_mock_epN(kind, ep):
     """The assignment is solved over the whole group: EP=N on N shards equals one process on
     all the tokens (outputs, and gradients summed over ranks)."""
-    extra = dict(score_function="sigmoid", topk=1) if kind == "base" else {}
+    extra = dict(topk=1) if kind == "base" else {}
     torch.manual_seed(0)
-    layer = MoELayer(cfg(router_type=kind, **extra))
+    layer = MoELayer(cfg(router={"kind": kind}, **extra))
     torch.manual_seed(1)
     x = torch.randn(ep, 5, 2, D)
     grad_out = torch.randn(ep, 5, 2, D)
@@ -302,7 +308,7 @@ def test_balanced_routers_same_at_ep1_and_mock_epN(kind, ep):
 # Skywork-MoE --------------------------------------------------------------------------------
 
 def test_gate_logit_normalisation_formula():
-    router = make_router(cfg(gate_logit_norm=2.0))
+    router = make_router(cfg(router={"gate_logit_norm": 2.0}))
     x = torch.randn(10, D)
     logits = logits_of(router, x)
     with torch.no_grad():
@@ -317,15 +323,16 @@ def test_gate_logit_normalisation_formula():
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 def test_adaptive_coefficient_follows_the_drop_rate(capacity_factor):
-    layer = MoELayer(cfg(balancing="adaptive_aux_loss", aux_loss_coeff=0.05,
-                         adaptive_aux_decay=0.8, adaptive_aux_sensitivity=0.3,
-                         capacity_factor=capacity_factor))
+    layer = MoELayer(cfg(balancing={"methods": "adaptive_aux_loss", "aux_loss_coeff": 0.05,
+                                    "adaptive_aux_decay": 0.8, "adaptive_aux_sensitivity": 0.3},
+                         dispatcher={"capacity_factor": capacity_factor}))
     alpha = 0.05
     torch.manual_seed(2)
     for _ in range(3):
         x = torch.randn(12, 2, D) + 0.5
         layer(x)[0].sum().backward()
-        selected, routed = layer.router.load.selected_E.tolist(), layer.router.load.routed_E.tolist()
+        stats = layer.router.load.stats
+        selected, routed = stats.selected_E.tolist(), stats.routed_E.tolist()
         if capacity_factor is None:
             mean = sum(selected) / E
             rate = sum(max(c - mean, 0.0) for c in selected) / sum(selected)
@@ -343,7 +350,7 @@ def test_adaptive_coefficient_weights_the_switch_loss_gradient():
     grads = {}
     for kind, coeff in [("aux_loss", 1.0), ("adaptive_aux_loss", 1.0)]:
         torch.manual_seed(0)
-        layer = MoELayer(cfg(balancing=kind, aux_loss_coeff=coeff))
+        layer = MoELayer(cfg(balancing={"methods": kind, "aux_loss_coeff": coeff}))
         if kind == "adaptive_aux_loss":
             layer.router.adaptive_aux_coeff.fill_(0.25)
         torch.manual_seed(1)
@@ -352,7 +359,7 @@ def test_adaptive_coefficient_weights_the_switch_loss_gradient():
         with torch.no_grad():
             grads[kind] = layer.router.weight.grad.clone()
     torch.manual_seed(0)
-    plain = MoELayer(cfg(balancing="none"))
+    plain = MoELayer(cfg())
     torch.manual_seed(1)
     plain(torch.randn(6, 2, D))[0].sum().backward()
     task = plain.router.weight.grad
@@ -374,7 +381,7 @@ def naive_erc(router_ED, fc1_EFD, margin):
 
 
 def test_erc_loss_matches_naive_and_is_independent_of_batch():
-    layer = MoELayer(cfg(erc_loss_coeff=1.0, erc_noise=0.0, erc_margin=0.7))
+    layer = MoELayer(cfg(balancing={"erc_loss_coeff": 1.0, "erc_noise": 0.0, "erc_margin": 0.7}))
     losses = [layer.balance_losses(layer.router(torch.randn(T, D)), T, 1)["erc_loss"]
               for T in (4, 64)]
     want = naive_erc(layer.router.weight.detach(), layer.experts.fc1_weight.detach(), 0.7)
@@ -383,7 +390,7 @@ def test_erc_loss_matches_naive_and_is_independent_of_batch():
 
 def test_erc_noise_is_multiplicative_and_bounded():
     torch.manual_seed(0)
-    layer = MoELayer(cfg(erc_loss_coeff=1.0, erc_noise=0.2, erc_margin=1.0))
+    layer = MoELayer(cfg(balancing={"erc_loss_coeff": 1.0, "erc_noise": 0.2, "erc_margin": 1.0}))
     values = [float(layer.balance_losses(layer.router(torch.randn(4, D)), 4, 1)["erc_loss"])
               for _ in range(4)]
     assert len(set(values)) > 1  # a fresh perturbation each forward
@@ -394,7 +401,7 @@ def test_erc_loss_and_gradients_same_at_ep1_and_mock_epN(ep):
     """Each rank's loss equals the EP=1 loss; gradients summed over ranks equal the EP=1
     gradient summed over the same data-parallel ranks."""
     torch.manual_seed(0)
-    layer = MoELayer(cfg(erc_loss_coeff=1.0, erc_noise=0.0, balancing="none"))
+    layer = MoELayer(cfg(balancing={"erc_loss_coeff": 1.0, "erc_noise": 0.0}))
     want = naive_erc(layer.router.weight.detach(), layer.experts.fc1_weight.detach(), 0.5)
     from megamoe.balancing.erc import erc_loss
     single = erc_loss(layer.router.weight, layer.experts.fc1_weight, 0.0, 0.5,
@@ -419,13 +426,13 @@ def test_erc_loss_and_gradients_same_at_ep1_and_mock_epN(ep):
 # Configuration --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("changes, word", [
-    (dict(router_type="threshold", score_function="softmax"), "sigmoid"),
-    (dict(router_type="base", score_function="sigmoid", topk=2), "topk=2"),
-    (dict(router_type="sinkhorn", score_function="sigmoid"), "softmax"),
-    (dict(router_type="sinkhorn", balancing="bias"), "bias"),
-    (dict(threshold_capacity=1.5), "threshold_capacity"),
-    (dict(gate_logit_norm=0.0), "gate_logit_norm"),
-    (dict(erc_noise=1.0), "erc_noise"),
+    (dict(router={"kind": "threshold", "score_function": "softmax"}), "sigmoid"),
+    (dict(router={"kind": "base"}, topk=2), "topk=2"),
+    (dict(router={"kind": "sinkhorn", "score_function": "sigmoid"}), "softmax"),
+    (dict(router={"kind": "sinkhorn"}, balancing={"methods": "bias"}), "bias"),
+    (dict(router={"kind": "threshold", "capacity": 1.5}), "router.capacity"),
+    (dict(router={"gate_logit_norm": 0.0}), "router.gate_logit_norm"),
+    (dict(balancing={"erc_noise": 1.0}), "balancing.erc_noise"),
 ])
 def test_bad_settings_name_the_value(changes, word):
     with pytest.raises(ConfigError, match=word):

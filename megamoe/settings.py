@@ -64,7 +64,7 @@ def resolve_kind(settings: Any, registry: Any) -> None:
             raise ConfigError(f"{type(settings).__name__} configures no single "
                               f"{registry.field}; pass kind= (one of {list(registry.names())})")
     if settings.kind not in registry:
-        raise _unknown_choice(registry.field, settings.kind, registry.names())
+        raise unknown_choice(registry.field, settings.kind, registry.names())
     expected = registry.config_class(settings.kind)
     if not isinstance(settings, expected):
         raise ConfigError(f"{registry.field}={settings.kind!r} is configured by "
@@ -103,7 +103,8 @@ def unknown_key(key: str, where: str, candidates: list[str],
     return ConfigError(f"unknown config key '{shown(key)}' {where}{hint}")
 
 
-def _unknown_choice(name: str, value: Any, choices: tuple[str, ...]) -> ConfigError:
+def unknown_choice(name: str, value: Any, choices: tuple[str, ...]) -> ConfigError:
+    """An error naming `name`'s `value`, the choices, and the closest of them."""
     near = closest(str(value), list(choices))
     hint = f"; did you mean {near!r}?" if near else ""
     return ConfigError(f"{name}={brief(value)} is not one of {list(choices)}{hint}")
@@ -186,7 +187,7 @@ def _section_class(settings_field: dataclasses.Field, declared: type, raw: Any,
     if kind is None:
         kind = settings_field.default_factory().kind
     if not isinstance(kind, str) or kind not in registry:
-        raise _unknown_choice(f"{prefix}.kind", kind, registry.names())
+        raise unknown_choice(f"{prefix}.kind", kind, registry.names())
     return registry.config_class(kind)
 
 

@@ -9,7 +9,7 @@ from typing import Any, Optional
 from megamoe.errors import CheckpointError, ConfigError
 from megamoe.optim.muon import check_scale
 from megamoe.optim.newton_schulz import DEFAULT_STEPS, JORDAN_COEFFICIENTS, check_newton_schulz
-from megamoe.settings import closest
+from megamoe.settings import unknown_choice
 
 DECAY_STYLES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "muon")
@@ -91,10 +91,7 @@ class OptimizerConfig:
              "> 0 or null"),
         ]
         if self.name not in OPTIMIZERS:
-            near = closest(str(self.name), list(OPTIMIZERS))
-            hint = f"; did you mean {near!r}?" if near else ""
-            raise ConfigError(f"optimizer.name={self.name!r} is not one of {list(OPTIMIZERS)}"
-                              f"{hint}")
+            raise unknown_choice("optimizer.name", self.name, OPTIMIZERS)
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)

@@ -132,13 +132,15 @@ class LoadTracker:
         if probs_TE is not None:
             p_TE = probs_TE.detach()[real_T].to(torch.float32)
             max_gate = (p_TE.amax(-1) / p_TE.sum(-1).clamp_min(1e-20)).sum()
-        none = StepStatistics.none(self.num_experts, tokens.device)
+        if per_token_real.numel():
+            most, least = per_token_real.max(), per_token_real.min()
+        else:  # no real token: the extremes of no tokens
+            none = StepStatistics.none(self.num_experts, tokens.device)
+            most, least = none.experts_per_token_max, none.experts_per_token_min
         micro = StepStatistics(
             selected_E, routing_map_TE.sum(0, dtype=torch.float32), tokens,
             per_token_real.sum(), maxvio(selected_E), torch.ones((), device=tokens.device),
-            max_gate,
-            per_token_real.max() if per_token_real.numel() else none.experts_per_token_max,
-            per_token_real.min() if per_token_real.numel() else none.experts_per_token_min,
+            max_gate, most, least,
             {name: value.detach().to(torch.float32) for name, value in (losses or {}).items()})
         self.stats = micro if self.stats is None else self.stats.plus(micro)
 

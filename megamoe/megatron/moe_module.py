@@ -52,10 +52,13 @@ class MegatronMoELayer(MoELayer):
                  pg_collection: Any = None, is_mtp_layer: bool = False, name: Optional[str] = None,
                  moe: Optional[MoEConfig] = None, bias_width: Optional[int] = None,
                  step_owner: Optional[StepOwner] = None):
-        # Megatron settings megamoe cannot honour are refused whatever made the object (a spec
-        # function may have mapped it from Megatron-LM's config wrapper, not this config).
-        check_megatron_fields(config)
-        cfg = moe if moe is not None else moe_config_from_transformer_config(config)
+        if moe is None:
+            cfg = moe_config_from_transformer_config(config)  # checks Megatron's fields too
+        else:
+            # Megatron settings megamoe cannot honour are refused whatever made the object (a
+            # spec function may have mapped it from Megatron-LM's config wrapper, not this one).
+            check_megatron_fields(config)
+            cfg = moe
         if cfg.hidden_size != config.hidden_size:
             raise ConfigError(f"the spec's MoEConfig has hidden_size={cfg.hidden_size} but the "
                               f"model's is {config.hidden_size}; build it with the model's width")

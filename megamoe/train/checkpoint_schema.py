@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 from megamoe.checkpointing.layout import TrainState
 from megamoe.errors import CheckpointError, MegaMoEError
 from megamoe.registry import ROUTERS
-from megamoe.settings import MODEL, TRAINING, setting_roles, walk_fields
+from megamoe.settings import MODEL, TRAINING, flat_values, setting_roles, walk_fields
 from megamoe.train.config import TrainConfig, config_from_dict
 from megamoe.train.settings.moe import nest_moe_section
 
@@ -238,23 +238,14 @@ def _settings(saved: TrainConfig, raw: dict, config: TrainConfig) -> Iterator[_S
     saved_layers, layers = saved.moe.layer_overrides, config.moe.layer_overrides
     raw_layers = raw.get("moe", {}).get("layer_overrides") or {}
     for layer in sorted(set(saved_layers) | set(layers)):
-        overridden = set(_override_keys(saved_layers.get(layer))) | set(
-            _override_keys(layers.get(layer)))
+        overridden = set(flat_values(saved_layers.get(layer, {}))) | set(
+            flat_values(layers.get(layer, {})))
         written = raw_layers.get(layer, {})
         for setting in _compared(saved.moe_config(layer), config.moe_config(layer), "", None):
             if setting.name in overridden:
                 yield setting._replace(name=f"moe.layer_overrides.{layer}.{setting.name}",
                                        written=_written(written, setting.name)
                                        or _written(raw.get("moe"), setting.name))
-
-
-def _override_keys(override: Optional[dict]) -> Iterator[str]:
-    """The dotted settings a layer's (nested) overrides set."""
-    for key, value in (override or {}).items():
-        if isinstance(value, dict) and value:
-            yield from (f"{key}.{inner}" for inner in _override_keys(value))
-        else:
-            yield str(key)
 
 
 def check_compatible(saved: Any, config: TrainConfig, path: Path) -> list[SettingChange]:

@@ -30,8 +30,8 @@ import torch
 
 from megamoe.errors import ConfigError
 from megamoe.registry import ACTIVATIONS, DISPATCHERS, ROUTERS
-from megamoe.settings import (build, deep_merge, model_setting, resolve_kind, section,
-                              training_setting)
+from megamoe.settings import (build, check_choice, deep_merge, model_setting, resolve_kind,
+                              section, training_setting)
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 BIAS = "bias"
@@ -76,8 +76,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         resolve_kind(self, ROUTERS)
         _check_finite(self, "router")
-        _check_choice("router.score_function", self.score_function, SCORE_FUNCTIONS)
-        _check_choice("router.dtype", self.dtype, tuple(ROUTER_DTYPES))
+        check_choice("router.score_function", self.score_function, SCORE_FUNCTIONS)
+        check_choice("router.dtype", self.dtype, tuple(ROUTER_DTYPES))
         if self.topk_scaling_factor is not None and self.topk_scaling_factor <= 0:
             raise ConfigError(f"router.topk_scaling_factor={self.topk_scaling_factor} must be "
                               "> 0; use None to disable it")
@@ -159,7 +159,7 @@ class BalancingConfig:
         _check_finite(self, "balancing")
         kinds = self.kinds
         for kind in kinds:
-            _check_choice("balancing.methods", kind, BALANCING)
+            check_choice("balancing.methods", kind, BALANCING)
         if len(set(kinds)) != len(kinds) or ("none" in kinds and len(kinds) > 1) or not kinds:
             raise ConfigError(f"balancing.methods={self.methods!r}: list each method once, and "
                               "'none' only alone")
@@ -256,7 +256,7 @@ class DispatcherConfig:
     def __post_init__(self) -> None:
         resolve_kind(self, DISPATCHERS)
         _check_finite(self, "dispatcher")
-        _check_choice("dispatcher.drop_policy", self.drop_policy, DROP_POLICIES)
+        check_choice("dispatcher.drop_policy", self.drop_policy, DROP_POLICIES)
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ConfigError(f"dispatcher.capacity_factor={self.capacity_factor} must be > 0; "
                               "use None for dropless")
@@ -273,7 +273,7 @@ class ExpertsConfig:
     """Expert activation: `swiglu` (GLU with SiLU), `gelu` or `squared_relu`."""
 
     def __post_init__(self) -> None:
-        _check_choice("experts.activation", self.activation, ACTIVATIONS.names())
+        check_choice("experts.activation", self.activation, ACTIVATIONS.names())
 
     @property
     def gated(self) -> bool:
@@ -447,8 +447,3 @@ def _check_finite(settings: Any, prefix: str) -> None:
         value = getattr(settings, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{prefix}.{f.name}={value} must be a finite number")
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{name}={value!r} is not one of {list(choices)}")

@@ -103,6 +103,12 @@ def unknown_key(key: str, where: str, candidates: list[str],
     return ConfigError(f"unknown config key '{shown(key)}' {where}{hint}")
 
 
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Raise a ConfigError unless setting `name`'s `value` is one of `choices`."""
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {list(choices)}")
+
+
 def unknown_choice(name: str, value: Any, choices: tuple[str, ...]) -> ConfigError:
     """An error naming `name`'s `value`, the choices, and the closest of them."""
     near = closest(str(value), list(choices))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from megamoe.errors import ConfigError
+from megamoe.settings import check_choice
 
 ROUTER_INITS = ("virtual_group", "random", "zero")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -102,13 +103,13 @@ class UpcycleRecipe:
                 f"num_experts={self.num_experts} is not divisible by granularity="
                 f"{self.granularity}; each copy of the dense MLP is split into G experts, so pick "
                 "E a multiple of G")
-        _check_choice("router_init", self.router_init, ROUTER_INITS)
-        _check_choice("score_function", self.score_function, SCORE_FUNCTIONS)
-        _check_choice("weight_scaling", self.weight_scaling, WEIGHT_SCALINGS)
-        _check_choice("key_layout", self.key_layout, KEY_LAYOUTS)
-        _check_choice("target_spec", self.target_spec, TARGET_SPECS)
+        check_choice("router_init", self.router_init, ROUTER_INITS)
+        check_choice("score_function", self.score_function, SCORE_FUNCTIONS)
+        check_choice("weight_scaling", self.weight_scaling, WEIGHT_SCALINGS)
+        check_choice("key_layout", self.key_layout, KEY_LAYOUTS)
+        check_choice("target_spec", self.target_spec, TARGET_SPECS)
         if self.activation is not None:
-            _check_choice("activation", self.activation, ACTIVATIONS)
+            check_choice("activation", self.activation, ACTIVATIONS)
         if self.shared_expert_gate and not self.shared_expert:
             raise ConfigError("shared_expert_gate=True needs shared_expert=True")
         if self.pre_softmax and self.score_function != "softmax":
@@ -231,6 +232,3 @@ def _check_moe_layers(spec) -> None:
                       "of layer indices")
 
 
-def _check_choice(name: str, value, choices: tuple) -> None:
-    if value not in choices:
-        raise ConfigError(f"{name}={value!r} is not one of {list(choices)}")

@@ -1,7 +1,5 @@
-"""The two checks every section of the trainer's config uses."""
+"""The check every section of the trainer's config uses (with `megamoe.settings.check_choice`)."""
 from __future__ import annotations
-
-from typing import Any
 
 from megamoe.errors import ConfigError
 
@@ -12,7 +10,3 @@ def require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
 
-
-def check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
-    """`key`'s `value` is one of `choices`."""
-    require(value in choices, f"{key}={value!r} is not one of {list(choices)}")

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megamoe.train.settings.checks import check_choice, require
+from megamoe.settings import check_choice
+from megamoe.train.settings.checks import require
 
 SPIKE_ACTIONS = ("stop", "rollback")
 

@@ -12,7 +12,8 @@ from typing import Optional, Union
 from megamoe.config import moe_layer_pattern
 from megamoe.errors import ConfigError
 from megamoe.settings import brief, closest, model_setting, training_setting
-from megamoe.train.settings.checks import check_choice, require
+from megamoe.settings import check_choice
+from megamoe.train.settings.checks import require
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")

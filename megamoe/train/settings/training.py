@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megamoe.train.settings.checks import check_choice, require
+from megamoe.settings import check_choice
+from megamoe.train.settings.checks import require
 
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")

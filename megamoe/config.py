@@ -7,7 +7,7 @@
                        `megamoe.routing.threshold.ThresholdRouterConfig`)
         balancing:     BalancingConfig (loss-free bias, balance losses, z / ERC losses)
         dispatcher:    DispatcherConfig, `dispatcher.kind` from DISPATCHERS, capacity
-        experts:       ExpertsConfig (the activation)
+        experts:       ExpertsConfig (the activation, biases)
         shared_expert: SharedExpertConfig
 
 Every field declares whether it defines the model or how it is trained (`megamoe.settings`),
@@ -40,6 +40,7 @@ BALANCE_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss", ADAPTIVE_AUX)
 BALANCING = (BIAS, *BALANCE_LOSSES, "none")
 DROP_POLICIES = ("probs", "position")
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+GATED_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
 @dataclass
@@ -65,6 +66,10 @@ class RouterConfig:
     gate_logit_norm: Optional[float] = model_setting(None)
     """Skywork-MoE gating-logit normalisation (arXiv 2406.06563): z <- lambda * (z - mean(z)) /
     std(z) per token before the score function, with lambda this value. None disables it."""
+
+    bias: bool = model_setting(False)
+    """The router's linear layer has a bias, logits = x W^T + b (GPT-OSS's `router.bias`;
+    Megatron-Core's router under `add_bias_linear`)."""
 
     dtype: str = training_setting("fp32")
     """Precision of the router logits and scores: `fp32` or `fp64`."""
@@ -270,15 +275,29 @@ class ExpertsConfig:
     """The routed experts' MLP."""
 
     activation: str = model_setting("swiglu")
-    """Expert activation: `swiglu` (GLU with SiLU), `gelu` or `squared_relu`."""
+    """Expert activation: `swiglu` (GLU with SiLU), `clamped_swiglu` (GPT-OSS's GLU: gate and
+    up clamped at `swiglu_limit`, (up + 1) * gate * sigmoid(1.702 gate)), `gelu` or
+    `squared_relu`."""
+
+    swiglu_limit: float = model_setting(7.0)
+    """`clamped_swiglu` only: the clamp, gate <= limit and -limit <= up <= limit (GPT-OSS's
+    `swiglu_limit`, 7.0; Megatron-Core's `activation_func_clamp_value`)."""
+
+    bias: bool = model_setting(False)
+    """Each expert's fc1 and fc2 have a bias (GPT-OSS's `gate_up_proj_bias`, `down_proj_bias`;
+    Megatron-Core's experts under `add_bias_linear`)."""
 
     def __post_init__(self) -> None:
+        _check_finite(self, "experts")
         check_choice("experts.activation", self.activation, ACTIVATIONS.names())
+        if self.swiglu_limit <= 0:
+            raise ConfigError(f"experts.swiglu_limit={self.swiglu_limit} must be > 0; GPT-OSS "
+                              "uses 7.0")
 
     @property
     def gated(self) -> bool:
         """True when the expert MLP is a GLU (fc1 holds gate and up halves)."""
-        return self.activation == "swiglu"
+        return self.activation in GATED_ACTIVATIONS
 
 
 @dataclass

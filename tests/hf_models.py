@@ -39,11 +39,45 @@ ARCHS = {
                         moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                         routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=16,
                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+    # Attention sinks and biases, layers alternating a sliding window of 8 (shorter than the
+    # tests' sequences) and full attention, YaRN untruncated as the release sets it (context
+    # x4 here), router and expert biases, the clamped SwiGLU with a limit the tiny random
+    # activations reach (the release: 7.0).
+    "gpt_oss": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                     "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False},
+                    rms_norm_eps=1e-5, head_dim=16, intermediate_size=32, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.0),
+    # Heads wider than hidden / heads, half of each rotated, q/k/v biases, per-head QK norm, 8
+    # experts in 2 groups (1 per token), a dense first layer, 1 shared expert, gates scaled by
+    # 2.5, a non-zero correction bias; MTP announced (transformers' default) but not saved.
+    "glm4_moe": dict(rope_theta=1000000.0, rms_norm_eps=1e-5, head_dim=32,
+                     partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
+                     n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                     moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                     routed_scaling_factor=2.5),
+    # Every layer MoE, QK norm over the whole projections, a quarter of each head rotated
+    # (rotary_dim), a non-zero correction bias.
+    "minimax_m2": dict(rope_theta=5000000.0, rms_norm_eps=1e-6, head_dim=32, rotary_dim=8,
+                       intermediate_size=48, num_local_experts=4, num_experts_per_tok=2),
 }
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "minimax_m2",
+             "gpt_oss")
+# Kimi-K2 (moonshotai/Kimi-K2-Instruct config.json) is DeepSeek-V3's architecture with its own
+# structural settings: 384 routed experts, 8 chosen, all in one group (n_group = topk_group = 1),
+# gates scaled by 2.827, one dense first layer, one shared expert, YaRN x32 with beta_fast =
+# beta_slow = 1 and rope_theta 50000; widths tiny (the release: hidden 7168, 64 heads).
+# save_tiny_hf_model("deepseek_v3", folder, **KIMI_K2).
+KIMI_K2 = dict(rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0,
+                                "original_max_position_embeddings": 64, "beta_fast": 1.0,
+                                "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+               max_position_embeddings=2048, n_routed_experts=384, num_experts_per_tok=8,
+               n_group=1, topk_group=1, routed_scaling_factor=2.827, first_k_dense_replace=1,
+               n_shared_experts=1, moe_intermediate_size=8)
 TOKENIZERS = {"qwen2_moe": "save_qwen_like", "qwen3_moe": "save_qwen_like",
               "qwen2": "save_qwen_like", "qwen3": "save_qwen_like",
-              "deepseek_v3": "save_deepseek_like"}
+              "deepseek_v3": "save_deepseek_like", "glm4_moe": "save_qwen_like",
+              "minimax_m2": "save_qwen_like", "gpt_oss": "save_qwen_like"}
 """The tokenizer each released model ships (tests/tiny_tokenizers.py); the others: Mixtral's."""
 
 
@@ -83,3 +117,68 @@ def save_tiny_hf_model(arch: str, directory: Path, shard_size: str | None = "100
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(str(directory), **kwargs)
     return directory
+
+
+def add_mtp_tensors(directory: Path, seed: int = 1) -> Path:
+    """Give the saved model in `directory` (DeepSeek-V3 or GLM-4.5, N decoder layers) one
+    multi-token-prediction layer as their releases store it, which transformers' models neither
+    build nor save: `model.layers.{N}.` holds a decoder layer shaped like layer N-1 (random),
+    `enorm`, `hnorm`, `eh_proj` [H, 2H], `shared_head.norm` (random) and copies of the main
+    embedding (`embed_tokens`) and output head (`shared_head.head`); written as a shard of its own
+    and listed in the index, and config.json's `num_nextn_predict_layers` set to 1."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    config = json.loads((directory / "config.json").read_text())
+    n, hidden = config["num_hidden_layers"], config["hidden_size"]
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(directory / index["weight_map"][name]), "pt") as f:
+            return f.get_tensor(name)
+
+    gen = torch.Generator().manual_seed(seed)
+    last = f"model.layers.{n - 1}."
+    mtp = {}
+    for name in sorted(index["weight_map"]):
+        if name.startswith(last):
+            like = read(name)
+            values = (torch.randn(like.shape, generator=gen) * 0.1 if like.dim() > 1 or
+                      name.endswith("e_score_correction_bias") else
+                      torch.rand(like.shape, generator=gen) + 0.5)
+            mtp[f"model.layers.{n}." + name[len(last):]] = values.to(like.dtype)
+    dtype = read("model.embed_tokens.weight").dtype
+    for part, shape in [("enorm.weight", (hidden,)), ("hnorm.weight", (hidden,)),
+                        ("shared_head.norm.weight", (hidden,))]:
+        mtp[f"model.layers.{n}.{part}"] = (torch.rand(shape, generator=gen) + 0.5).to(dtype)
+    mtp[f"model.layers.{n}.eh_proj.weight"] = \
+        (torch.randn((hidden, 2 * hidden), generator=gen) * 0.1).to(dtype)
+    mtp[f"model.layers.{n}.embed_tokens.weight"] = read("model.embed_tokens.weight")
+    mtp[f"model.layers.{n}.shared_head.head.weight"] = read("lm_head.weight")
+    save_file(mtp, str(directory / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index["weight_map"].update({name: "model-mtp.safetensors" for name in mtp})
+    index_path.write_text(json.dumps(index, indent=2))
+    config["num_nextn_predict_layers"] = 1
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
+def saved_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face model directory's safetensors files, read by safetensors
+    itself."""
+    from safetensors.torch import load_file
+
+    return {name: tensor for path in sorted(directory.glob("*.safetensors"))
+            for name, tensor in load_file(str(path)).items()}
+
+
+def saved_config(directory: Path) -> dict:
+    """config.json of a model directory without the keys saving adds (dtype, source path)."""
+    import json
+
+    config = json.loads((directory / "config.json").read_text())
+    return {key: value for key, value in config.items()
+            if key not in ("dtype", "torch_dtype", "_name_or_path")}

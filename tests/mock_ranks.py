@@ -94,8 +94,10 @@ def expert_parallel_replica(layer, ep_comm, replica_comm=None):
     from megamoe.layer import MoELayer
 
     replica = MoELayer(layer.cfg, ep_comm=ep_comm, replica_comm=replica_comm or ep_comm)
-    local = layer.cfg.num_experts // ep_comm.size
-    state = {name: (value[ep_comm.rank * local:(ep_comm.rank + 1) * local]
+    E = layer.cfg.num_experts
+    mine = slice(ep_comm.rank * (E // ep_comm.size), (ep_comm.rank + 1) * (E // ep_comm.size))
+    # Expert tensors hold one expert after another on their first axis (flat for biases).
+    state = {name: (value.reshape(E, -1)[mine].reshape(-1, *value.shape[1:])
                     if name.startswith("experts.") else value)
              for name, value in layer.state_dict().items()}
     replica.load_state_dict(state)

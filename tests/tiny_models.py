@@ -34,13 +34,16 @@ def build_gpt(
     layer_spec: ModuleSpec | TransformerBlockSubmodules,
     vocab_size: int,
     seq_len: int,
+    position_embedding_type: str = "learned_absolute",
+    mtp_block_spec=None,
 ) -> GPTModel:
-    """A single-stage GPTModel: embedding, decoder, output head.
+    """A single-stage GPTModel: embedding, decoder, output head (and the multi-token
+    prediction block of `mtp_block_spec`, if given).
 
     `layer_spec` is one layer's spec (repeated `config.num_layers` times) or a whole decoder
     block spec, as `GPTModel` accepts.
-    Learned absolute position embeddings up to `seq_len`; input embeddings and output weights
-    are not shared.
+    Learned absolute position embeddings up to `seq_len` (or `position_embedding_type`); input
+    embeddings and output weights are not shared.
     """
     return GPTModel(
         config=config,
@@ -50,5 +53,6 @@ def build_gpt(
         pre_process=True,
         post_process=True,
         share_embeddings_and_output_weights=False,
-        position_embedding_type="learned_absolute",
+        position_embedding_type=position_embedding_type,
+        mtp_block_spec=mtp_block_spec,
     )

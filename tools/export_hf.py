@@ -1,8 +1,8 @@
-"""Export a megamoe MoE checkpoint as a Hugging Face model (Mixtral, Qwen2-MoE, Qwen3-MoE or
-DeepSeek-V3).
+"""Export a megamoe MoE checkpoint as a Hugging Face model of an architecture megamoe has a table
+for (megamoe.checkpointing.hf: Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GLM-4.5, ...).
 
-    python tools/export_hf.py --load CKPT --save OUT
-        [--arch mixtral|qwen2_moe|qwen3_moe|deepseek_v3] [--tokenizer TOKENIZER] [--verify]
+    python tools/export_hf.py --load CKPT --save OUT [--arch ARCH] [--tokenizer TOKENIZER]
+        [--verify]
 
 CKPT: a megamoe training checkpoint (a run's checkpoint folder, or its checkpoints/ directory)
 or the output of tools/upcycle_ckpt.py or tools/import_hf.py. Writes safetensors shards with
@@ -11,10 +11,9 @@ names the same tokenizer elsewhere, another one is refused), and config.json and
 generation_config.json: for an imported model the source's own with only the keys training
 changed, each named in the output; else generated from the settings (bos/eos ids from the
 tokenizer, the context it was trained for, its rope scaling and balance-loss weight). The
-default --arch is the source model's, else the one that expresses the model (DeepSeek-V3 with
-multi-head latent attention, Qwen3-MoE with QK norm, Qwen2-MoE with a gated shared expert, else
-Mixtral); settings the architecture cannot express (sigmoid routing, expert bias and group
-limits outside DeepSeek-V3, top-p, dense layers in Mixtral, ...) are refused in one line.
+default --arch (its choices: `--help`) is the source model's, else the first that expresses the
+model; settings the architecture cannot express (sigmoid routing in Mixtral, top-p, dense
+layers in Mixtral, attention sinks outside GPT-OSS, ...) are refused in one line.
 `--verify` loads OUT with transformers on CPU, checks its logits against megamoe's (max
 |difference| <= 1e-4 in fp32) and runs `generate`. Bad input: one line on stderr, exit code 2,
 no output left behind.

@@ -47,6 +47,7 @@ megatron.core.__version__, '|', torch.cuda.get_device_name(), '| CUDA', torch.ve
 
 # 1. CUDA tests ---------------------------------------------------------------------------------
 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/unit/test_experts.py \
+    tests/unit/test_gpt_oss_moe.py \
     tests/unit/test_layer.py tests/distributed/test_shared_overlap_cuda.py \
     tests/unit/test_megatron_gpt.py tests/unit/test_upcycle_cli.py \
     tests/unit/test_interop_hf.py \

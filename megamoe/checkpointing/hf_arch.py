@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megamoe.bounded import read_json
+from megamoe.checkpointing.quantized import quantization_of
 from megamoe.errors import CheckpointError
 from megamoe.paths import inside
 
@@ -124,6 +125,10 @@ def read_hf_arch(directory: Path) -> HFArch:
     if kind not in DENSE_TYPES:
         raise CheckpointError(f"{where}: unknown architecture model_type={kind!r}; supported: "
                               f"{', '.join(DENSE_TYPES)}")
+    if config.get("quantization_config"):
+        raise CheckpointError(f"{where}: the dense model is quantised; convert an unquantised "
+                              "(fp32/bf16/fp16) checkpoint (quantised MoE releases import "
+                              "with tools/import_hf.py)")
     return parse_hf_arch(config, where, qkv_bias=kind == "qwen2" or
                          bool(config.get("attention_bias", False)), qk_norm=kind == "qwen3")
 
@@ -133,11 +138,7 @@ def parse_hf_arch(config: dict, where: Path, qkv_bias: bool, qk_norm: bool) -> H
     MoE), refusing what megamoe cannot reproduce; `qkv_bias` and `qk_norm` as the
     architecture defines them."""
     kind = config.get("model_type")
-    if config.get("quantization_config"):
-        quantization = config["quantization_config"]
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
-        raise CheckpointError(f"{where}: the model is quantised ({method}); convert an "
-                              "unquantised (fp32/bf16/fp16) checkpoint")
+    quantization_of(config, where)  # refuses a quantisation the import cannot dequantise
     if config.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: hidden_act={config['hidden_act']!r}; megamoe's SwiGLU "
                               "uses silu")

@@ -1,81 +1,75 @@
-"""A Hugging Face MoE model (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 safetensors) read one
-layer at a time as the chunks of a megamoe torch_dist checkpoint, in Megatron-Core's keys.
+"""A Hugging Face MoE checkpoint read layer by layer into Megatron-Core's sharded keys, through
+its architecture's two-way table (megamoe.checkpointing.hf: the names, shapes and transforms
+of every tensor, config.json's mapping; the export reads the same table).
 
-Mapping of layer l (HF `model.layers.{l}.` -> Megatron `decoder.layers.{l}.`), beyond the
-grouped-query attention and dense MLP of `megamoe.checkpointing.hf_source`:
-- router: Mixtral `block_sparse_moe.gate.weight`, the others `mlp.gate.weight` ->
-  `mlp.router.weight`; DeepSeek-V3 `mlp.gate.e_score_correction_bias` -> `mlp.router.expert_bias`
-  (fp32, megamoe's loss-free balancing bias)
-- routed expert e: Mixtral `block_sparse_moe.experts.{e}.w1|w3|w2`, the others
-  `mlp.experts.{e}.gate_proj|up_proj|down_proj` -> `mlp.experts.experts.linear_fc1` [gate; up]
-  and `linear_fc2` at global expert id e, read from the files only when written
-- shared expert: Qwen2-MoE `mlp.shared_expert.*` and `mlp.shared_expert_gate.weight`, DeepSeek-V3
-  `mlp.shared_experts.*` -> `mlp.shared_experts.linear_fc1|fc2.weight`, `.gate_weight`
-- multi-head latent attention (DeepSeek-V3): `self_attn.q_a_proj` -> `self_attention.
-  linear_q_down_proj`, `q_a_layernorm` -> `q_layernorm`, `q_b_proj` -> `linear_q_up_proj` (or
-  `q_proj` -> `linear_q_proj` without a q rank), `kv_a_proj_with_mqa` -> `linear_kv_down_proj`,
-  `kv_a_layernorm` -> `kv_layernorm`, `kv_b_proj` -> `linear_kv_up_proj`, `o_proj` ->
-  `linear_proj`; the layer norms `input_layernorm` and `pre_mlp_layernorm`. A source without
-  `rope_interleave` has its RoPE rows permuted into DeepSeek's interleaved pairs, the order
-  Megatron's MLA rotates.
-The files must hold exactly the tensors config.json implies, in its shapes: a bias, an unknown
-tensor or a missing one is refused in one line. Layers beyond `num_hidden_layers` are DeepSeek's
-multi-token-prediction layers, refused unless dropped explicitly (and then logged).
-Memory: one layer's non-expert tensors, plus one expert while it is written; outside the layers,
-one tensor at a time.
+The files must hold exactly the tensors the table lists for config.json, in its shapes: a bias,
+an unknown tensor or a missing one is refused in one line before anything is written
+(`check_shapes`), and every tensor read is counted (`TensorLedger`): `finish()` fails naming a
+tensor left unread. Layers beyond `num_hidden_layers` are multi-token-prediction layers: all
+those config.json announces are imported (megamoe.checkpointing.hf.mtp), or with `--drop-mtp`
+none (counted as dropped). Quantised releases (FP8 block scales, MXFP4) are read dequantised,
+into the asked dtype (megamoe.checkpointing.quantized).
+
+Megatron keys: decoder layers follow Megatron's stacked (every layer alike) or per-layer key
+layout (`KeyLayout`); a SwiGLU fc1 is written as its gate and up halves; each linear layer gets
+its `_extra_state` object (None, as Megatron saves it without Transformer Engine), each routed
+expert its own. Memory: one layer's non-expert tensors, plus one expert (or, for an
+architecture storing all experts in one tensor, that tensor) while it is written; outside the
+layers, one tensor at a time.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from megamoe.checkpointing.expected_tensors import check_shapes
-from megamoe.checkpointing.hf_moe_arch import HFMoEModel, read_hf_moe_model
-from megamoe.checkpointing.hf_source import (HF_LAYER, LINEAR_EXTRA_STATE, NON_LAYER,
-                                             POST_ATTENTION_NORM, attention_tensors, glu_fc1,
-                                             none_bytes, tensor_shapes)
-from megamoe.checkpointing.safetensors_io import SafetensorsReader
-from megamoe.checkpointing.sharded_keys import KeyLayout, ObjectItem, TensorChunk
+from megamoe.checkpointing.hf import architecture
+from megamoe.checkpointing.hf.base import (ALL_EXPERTS, MEGATRON_EXPERTS, Block, Rule,
+                                           TensorLedger)
+from megamoe.checkpointing.hf.mtp import mtp_blocks, mtp_depths
+from megamoe.checkpointing.hf_arch import CONFIG_FILE, read_config_json
+from megamoe.checkpointing.hf_moe_arch import HFMoEModel
+from megamoe.checkpointing.hf_source import none_bytes
+from megamoe.checkpointing.quantized import SAVED_DTYPES, open_weights
+from megamoe.checkpointing.sharded_keys import (KeyLayout, ObjectItem, TensorChunk,
+                                                object_key)
 from megamoe.errors import CheckpointError
 
-MLA_NAMES = {"self_attn.q_a_proj.weight": "self_attention.linear_q_down_proj.weight",
-             "self_attn.q_a_layernorm.weight": "self_attention.q_layernorm.weight",
-             "self_attn.q_b_proj.weight": "self_attention.linear_q_up_proj.weight",
-             "self_attn.q_proj.weight": "self_attention.linear_q_proj.weight",
-             "self_attn.kv_a_proj_with_mqa.weight": "self_attention.linear_kv_down_proj.weight",
-             "self_attn.kv_a_layernorm.weight": "self_attention.kv_layernorm.weight",
-             "self_attn.kv_b_proj.weight": "self_attention.linear_kv_up_proj.weight",
-             "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
-             "input_layernorm.weight": "input_layernorm.weight",
-             "post_attention_layernorm.weight": "pre_mlp_layernorm.weight"}
-EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}
-"""Per architecture: an expert's (gate, up, down) module names (default gate/up/down_proj)."""
-MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
-SHARED_EXTRA_STATE = ("mlp.shared_experts.linear_fc1._extra_state",
-                      "mlp.shared_experts.linear_fc2._extra_state")
-EXPERT_EXTRA_STATE = ("linear_fc1._extra_state", "linear_fc2._extra_state")
+Items = tuple[list[TensorChunk], list[ObjectItem]]
 
 
-def rope_rows_interleaved(rows: torch.Tensor) -> torch.Tensor:
-    """Rows of a RoPE part in rotate-half order [x_0..x_{d/2-1}, y_0..] reordered into
-    interleaved pairs [x_0, y_0, x_1, y_1, ...], the order DeepSeek's RoPE (and Megatron's MLA)
-    reads."""
-    half = rows.shape[0] // 2
-    return torch.stack([rows[:half], rows[half:]], dim=1).reshape(rows.shape)
+def megatron_shape(rule: Rule) -> tuple[int, ...]:
+    """The shape of the Megatron tensor `rule` makes (its transform run on meta tensors)."""
+    parts = [torch.empty(shape, device="meta") for shape in rule.shapes]
+    return tuple(rule.transform.to_megatron(parts).shape)
+
+
+def extra_state_key(megatron: str) -> Optional[str]:
+    """`X.linear_Y._extra_state` for the weight `X.linear_Y.weight` of a linear layer, else
+    None."""
+    module, _, name = megatron.rpartition(".")
+    if name != "weight" or not module.rpartition(".")[2].startswith("linear_"):
+        return None
+    return module + "._extra_state"
 
 
 class HFMoESource:
-    """A Hugging Face MoE model, layer by layer (see the module docstring)."""
+    """A Hugging Face MoE model, block by block (see the module docstring)."""
 
     format = "hf_safetensors"
 
-    def __init__(self, directory: Path, drop_mtp: bool = False):
+    def __init__(self, directory: Path, drop_mtp: bool = False,
+                 dtype: Optional[torch.dtype] = None):
+        """dtype: of the written weights (None: that of the checkpoint's unquantised tensors)."""
         self.directory = directory
-        self.model: HFMoEModel = read_hf_moe_model(directory)
+        config = read_config_json(directory)
+        self.table = architecture(config, directory / CONFIG_FILE)
+        self.model: HFMoEModel = self.table.read_config(config, directory / CONFIG_FILE)
         self.arch, self.moe = self.model.arch, self.model.moe
-        self.reader = SafetensorsReader(directory)
+        self.reader = open_weights(directory, config, dtype)
+        self.cast = dtype is not None
         self.num_layers = self.arch.num_layers
         pattern = self.moe.pattern
         # Megatron-Core stacks the layers' keys only when every layer is alike.
@@ -83,186 +77,199 @@ class HFMoESource:
         self.description = (f"Hugging Face {self.arch.model_type} ({self.num_layers} layers, "
                             f"{sum(pattern)} MoE with {self.moe.num_experts} experts, hidden "
                             f"{self.arch.hidden_size}) at {directory}")
-        self.moe_prefix = "block_sparse_moe." if self.arch.model_type == "mixtral" else "mlp."
-        self.expert_names = EXPERT_NAMES.get(self.arch.model_type, MLP_NAMES)
-        self.dropped_mtp = self._check_names(drop_mtp)
-        self.dtype = self.reader.read("model.embed_tokens.weight").dtype
+        layers = {_layer_index(name) for name in self.reader.shapes}
+        self.mtp_depths = 0 if drop_mtp else mtp_depths(self.model, layers, str(directory))
+        self.blocks = self.table.blocks(self.model) + mtp_blocks(self.table, self.model,
+                                                                  self.mtp_depths)
+        self.dropped_mtp = self._check_names()
+        self.dtype = self.reader.dtype
+        # Tensors kept in a dtype of their own, which --verify's reference keeps too.
+        self.reader.held = {block.hf_prefix + name: kept for block in self.blocks
+                            for rule in block.rules
+                            if (kept := self._dtype(block, rule)) != self.dtype
+                            for name in rule.hf}
+
+    def train_sections(self) -> dict[str, dict]:
+        """The training config's sections of the model as imported."""
+        return self.model.train_sections(with_mtp=self.mtp_depths > 0)
 
     # -- what the files must hold ------------------------------------------------------------
 
-    def _layer_shapes(self, index: int) -> dict[str, tuple[int, ...]]:
-        """HF suffix -> shape of every tensor layer `index` must have."""
-        a, moe, mla = self.arch, self.moe, self.model.mla
-        H, heads = a.hidden_size, a.num_attention_heads
-        dense = tensor_shapes(a)
-        if mla is None:
-            names = ["input_layernorm.weight", "post_attention_layernorm.weight"]
-            names += [f"self_attn.{n}_proj.weight" for n in "qkvo"]
-            names += [f"self_attn.{n}_proj.bias" for n in "qkv"] if a.qkv_bias else []
-            names += [f"self_attn.{n}_norm.weight" for n in "qk"] if a.qk_norm else []
-            shapes = {name: dense[name] for name in names}
-        else:
-            qk = mla.qk_head_dim + mla.qk_pos_emb_head_dim
-            shapes = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
-                      "self_attn.kv_a_proj_with_mqa.weight":
-                          (mla.kv_lora_rank + mla.qk_pos_emb_head_dim, H),
-                      "self_attn.kv_a_layernorm.weight": (mla.kv_lora_rank,),
-                      "self_attn.kv_b_proj.weight":
-                          (heads * (mla.qk_head_dim + mla.v_head_dim), mla.kv_lora_rank),
-                      "self_attn.o_proj.weight": (H, heads * mla.v_head_dim)}
-            if mla.q_lora_rank is None:
-                shapes["self_attn.q_proj.weight"] = (heads * qk, H)
-            else:
-                shapes.update({"self_attn.q_a_proj.weight": (mla.q_lora_rank, H),
-                               "self_attn.q_a_layernorm.weight": (mla.q_lora_rank,),
-                               "self_attn.q_b_proj.weight": (heads * qk, mla.q_lora_rank)})
-        if not moe.pattern[index]:
-            shapes.update({f"mlp.{n}.weight": dense[f"mlp.{n}.weight"] for n in MLP_NAMES})
-            return shapes
-        E, F, p = moe.num_experts, moe.ffn_hidden_size, self.moe_prefix
-        shapes[p + "gate.weight"] = (E, H)
-        if moe.expert_bias:
-            shapes[p + "gate.e_score_correction_bias"] = (E,)
-        gate, up, down = self.expert_names
-        for e in range(E):
-            shapes.update({f"{p}experts.{e}.{gate}.weight": (F, H),
-                           f"{p}experts.{e}.{up}.weight": (F, H),
-                           f"{p}experts.{e}.{down}.weight": (H, F)})
-        if moe.shared_expert_ffn_size:
-            S, shared = moe.shared_expert_ffn_size, self._shared_prefix()
-            shapes.update({f"{shared}gate_proj.weight": (S, H), f"{shared}up_proj.weight": (S, H),
-                           f"{shared}down_proj.weight": (H, S)})
-            if moe.shared_expert_gate:
-                shapes["mlp.shared_expert_gate.weight"] = (1, H)
-        return shapes
-
-    def _shared_prefix(self) -> str:
-        return "mlp.shared_expert." if self.arch.model_type == "qwen2_moe" else \
-            "mlp.shared_experts."
-
-    def _check_names(self, drop_mtp: bool) -> int:
+    def _check_names(self) -> int:
         """Refuse files that do not hold exactly this model's tensors; the number of
-        multi-token-prediction layers dropped."""
-        a, names = self.arch, set(self.reader.shapes)
-        expected = {"model.embed_tokens.weight": (a.vocab_size, a.hidden_size),
-                    "model.norm.weight": (a.hidden_size,)}
-        if not a.tie_word_embeddings:
-            expected["lm_head.weight"] = (a.vocab_size, a.hidden_size)
-        for index in range(self.num_layers):
-            prefix = HF_LAYER.format(index)
-            expected.update({prefix + s: shape for s, shape in self._layer_shapes(index).items()})
-        mtp = {name for name in names - set(expected) if _layer_index(name) >= self.num_layers}
-        mtp_layers = sorted({_layer_index(name) for name in mtp})
-        if mtp and not drop_mtp:
-            raise CheckpointError(
-                f"{self.directory} holds {len(mtp_layers)} layer(s) beyond num_hidden_layers="
-                f"{self.num_layers} (model.layers.{mtp_layers[0]}.*: multi-token prediction, "
-                "which megamoe does not train); pass --drop-mtp to import the model without them")
+        multi-token-prediction layers dropped (`--drop-mtp`: the layers beyond the table's)."""
+        expected = {name: shape for block in self.blocks
+                    for name, shape in block.hf_names().items()}
+        dropped = {name for name in set(self.reader.shapes) - set(expected)
+                   if _layer_index(name) >= self.num_layers + self.mtp_depths}
         check_shapes({name: shape for name, shape in self.reader.shapes.items()
-                      if name not in mtp}, expected, str(self.directory), "config.json")
-        return len(mtp_layers)
+                      if name not in dropped}, expected, str(self.directory), "config.json")
+        self.ledger = TensorLedger({**expected, **{n: self.reader.shapes[n] for n in dropped}},
+                                   str(self.directory), f"the {self.arch.model_type} model")
+        self.ledger.skip(dropped)
+        return len({_layer_index(name) for name in dropped})
+
+    def mtp_note(self) -> Optional[str]:
+        """One line on the multi-token-prediction layers: imported, dropped (which and how
+        many tensors) or announced by config.json but absent from the files; None: none."""
+        N, depth = self.num_layers, self.mtp_depths or self.dropped_mtp
+        where = f"model.layers.{N}.*" if depth == 1 else f"model.layers.{N}..{N + depth - 1}.*"
+        if self.dropped_mtp:
+            return (f"dropping {self.dropped_mtp} multi-token-prediction layer(s) (--drop-mtp): "
+                    f"{where}, {len(self.ledger.skipped)} tensors")
+        if self.mtp_depths:
+            return (f"multi-token prediction: {self.mtp_depths} layer(s) {where} imported as "
+                    f"model.mtp_layers={self.mtp_depths}")
+        if self.model.mtp_layers:
+            return (f"config.json announces num_nextn_predict_layers={self.model.mtp_layers} but "
+                    "the files hold no MTP tensors: imported without multi-token prediction")
+        return None
+
+    def finish(self) -> str:
+        """After every item was written: fail naming a tensor of the files left unread; else
+        the count, one line."""
+        return self.ledger.close()
 
     # -- reading -----------------------------------------------------------------------------
 
-    def _reader(self, index: int) -> Callable[[str], torch.Tensor]:
-        prefix = HF_LAYER.format(index)
-        return lambda suffix: self.reader.read(prefix + suffix).to(self.dtype)
+    def _dtype(self, block: Block, rule: Rule) -> torch.dtype:
+        """The dtype `rule`'s Megatron tensor is written in: the rule's own (DeepSeek's fp32
+        correction bias); with `--dtype`, that one; else the one its Hugging Face tensors are
+        saved in when they agree and are not quantised (transformers saves a bf16 DeepSeek-V3's
+        router in fp32: it stays so, and the export gives it back as saved), else the
+        model's."""
+        if rule.dtype or self.cast:
+            return rule.dtype or self.dtype
+        saved = {SAVED_DTYPES.get(self.reader.raw.dtypes.get(block.hf_prefix + name))
+                 for name in rule.hf}
+        return saved.pop() if len(saved) == 1 and None not in saved else self.dtype
 
-    def _mla_tensors(self, read: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-        mla, heads = self.model.mla, self.arch.num_attention_heads
-        present = self._layer_shapes(0)
-        tensors = {mg: read(hf) for hf, mg in MLA_NAMES.items() if hf in present}
-        if not mla.rope_interleave:
-            rope = mla.qk_pos_emb_head_dim
-            q_key = ("self_attention.linear_q_proj.weight" if mla.q_lora_rank is None
-                     else "self_attention.linear_q_up_proj.weight")
-            q = tensors[q_key].reshape(heads, mla.qk_head_dim + rope, -1)
-            q[:, mla.qk_head_dim:] = torch.stack([rope_rows_interleaved(h[mla.qk_head_dim:])
-                                                  for h in q])
-            tensors[q_key] = q.reshape(-1, q.shape[-1])
-            kv = tensors["self_attention.linear_kv_down_proj.weight"]
-            kv[mla.kv_lora_rank:] = rope_rows_interleaved(kv[mla.kv_lora_rank:])
-        return tensors
+    def _convert(self, block: Block, rule: Rule) -> torch.Tensor:
+        """The Megatron tensor of `rule`, from its HF tensors (counted in the ledger)."""
+        dtype = self._dtype(block, rule)
+        parts = []
+        for name in rule.hf:
+            name = block.hf_prefix + name
+            parts.append(self.reader.read(name).to(dtype))
+            self.ledger.mark(name, tuple(parts[-1].shape))
+        return rule.transform.to_megatron(parts)
 
-    def _extra_state_keys(self, is_moe: bool) -> list[str]:
-        if self.model.mla is None:
-            attention = [key for key in LINEAR_EXTRA_STATE if key.startswith("self_attention.")]
-        else:
-            attention = [f"self_attention.{name}._extra_state" for name in
-                         ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
-                          "linear_kv_up_proj", "linear_proj")] if self.model.mla.q_lora_rank \
-                else [f"self_attention.{name}._extra_state" for name in
-                      ("linear_q_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj")]
-        if not is_moe:
-            return attention + ["mlp.linear_fc1._extra_state", "mlp.linear_fc2._extra_state"]
-        return attention + (list(SHARED_EXTRA_STATE) if self.moe.shared_expert_ffn_size else [])
+    def _check_copy(self, block: Block, rule: Rule) -> None:
+        """A copy of another HF tensor (`rule.copy_of`) must equal it."""
+        (name,) = (block.hf_prefix + n for n in rule.hf)
+        copy, original = self.reader.read(name), self.reader.read(rule.copy_of)
+        self.ledger.mark(name, tuple(copy.shape))
+        if not torch.equal(copy, original):
+            raise CheckpointError(f"{self.directory}: tensor {name} differs from "
+                                  f"{rule.copy_of}, of which it must be a copy (megamoe shares "
+                                  "one tensor for both); the checkpoint is inconsistent")
 
-    def layer_items(self, index: int) -> tuple[list[TensorChunk], list[ObjectItem]]:
-        """Layer `index` as checkpoint chunks (experts read lazily) and extra-state objects."""
-        read, layout, is_moe = self._reader(index), self.layout, self.moe.pattern[index]
-        if self.model.mla is None:
-            shapes = self._layer_shapes(index)
-            tensors = attention_tensors(self.arch, read, shapes.__contains__)
-            tensors[POST_ATTENTION_NORM] = read("post_attention_layernorm.weight")
-        else:
-            tensors = self._mla_tensors(read)
-        if not is_moe:
-            tensors["mlp.linear_fc1.weight"] = glu_fc1(read, "mlp.gate_proj", "mlp.up_proj")
-            tensors["mlp.linear_fc2.weight"] = read("mlp.down_proj.weight")
-        else:
-            tensors.update(self._moe_tensors(read))
-        chunks = [chunk for suffix, tensor in tensors.items()
-                  for chunk in layout.layer_tensor(suffix, index, tuple(tensor.shape),
-                                                   tensor.dtype, lambda t=tensor: t,
-                                                   glu_halves=suffix.endswith("fc1.weight"))]
-        objects = [layout.layer_object(key, index, none_bytes())
-                   for key in self._extra_state_keys(is_moe)]
-        if is_moe:
-            chunks += self._expert_chunks(index, read)
-            objects += [layout.expert_object(name, index, e, self.moe.num_experts, none_bytes())
-                        for e in range(self.moe.num_experts) for name in EXPERT_EXTRA_STATE]
-        return chunks, objects
+    def _block_items(self, block: Block) -> Items:
+        """The chunks and extra-state objects of one block (a decoder layer or an MTP layer):
+        non-expert tensors converted now, routed experts when written."""
+        chunks: list[TensorChunk] = []
+        objects: dict[str, ObjectItem] = {}
+        E = self.moe.num_experts
+        place = _Placement(self.layout, block)
+        for rule in block.rules:
+            if not rule.hf:
+                continue
+            if rule.copy_of:
+                self._check_copy(block, rule)
+                continue
+            shape, dtype = megatron_shape(rule), self._dtype(block, rule)
+            state = extra_state_key(rule.megatron)
+            if rule.expert is None:
+                tensor = self._convert(block, rule)
+                chunks += place.tensor(rule.megatron, shape, dtype, lambda t=tensor: t, rule.glu)
+                if state:
+                    objects[state] = place.object(state)
+                continue
+            experts = range(E) if rule.expert == ALL_EXPERTS else (rule.expert,)
+            convert = _Shared(lambda rule=rule: self._convert(block, rule),
+                              len(experts) * (2 if rule.glu else 1))
+            for e in experts:
+                make = (lambda e=e, convert=convert: convert()[e]) \
+                    if rule.expert == ALL_EXPERTS else convert
+                chunks += place.expert_tensor(rule.megatron, e, E, shape[1:] if
+                                              rule.expert == ALL_EXPERTS else shape, dtype,
+                                              make, rule.glu)
+                if state:
+                    objects[f"{state}#{e}"] = place.expert_object(state, e, E)
+        return chunks, list(objects.values())
 
-    def _moe_tensors(self, read: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-        moe, p = self.moe, self.moe_prefix
-        tensors = {"mlp.router.weight": read(p + "gate.weight")}
-        if moe.expert_bias:
-            tensors["mlp.router.expert_bias"] = read(p + "gate.e_score_correction_bias").float()
-        if moe.shared_expert_ffn_size:
-            shared = self._shared_prefix()
-            tensors["mlp.shared_experts.linear_fc1.weight"] = glu_fc1(
-                read, shared + "gate_proj", shared + "up_proj")
-            tensors["mlp.shared_experts.linear_fc2.weight"] = read(shared + "down_proj.weight")
-            if moe.shared_expert_gate:
-                tensors["mlp.shared_experts.gate_weight"] = read("mlp.shared_expert_gate.weight")
-        return tensors
+    def layer_items(self, index: int) -> Items:
+        """Decoder layer `index` as checkpoint chunks and extra-state objects."""
+        return self._block_items(self.blocks[1 + index])
 
-    def _expert_chunks(self, index: int, read: Callable[[str], torch.Tensor]
-                       ) -> list[TensorChunk]:
-        E, F, H = self.moe.num_experts, self.moe.ffn_hidden_size, self.arch.hidden_size
-        gate, up, down = self.expert_names
-        chunks = []
-        for e in range(E):
-            prefix = f"{self.moe_prefix}experts.{e}."
-            chunks += self.layout.expert_tensor(
-                "linear_fc1.weight", index, e, E, (2 * F, H), self.dtype,
-                lambda prefix=prefix: glu_fc1(read, prefix + gate, prefix + up), glu_halves=True)
-            chunks += self.layout.expert_tensor(
-                "linear_fc2.weight", index, e, E, (H, F), self.dtype,
-                lambda prefix=prefix: read(prefix + down + ".weight"))
-        return chunks
+    @property
+    def extra_blocks(self) -> list[Block]:
+        """The blocks after the decoder layers (the multi-token-prediction layers)."""
+        return self.blocks[1 + self.num_layers:]
+
+    def extra_items(self, index: int) -> Items:
+        """Extra block `index` (multi-token-prediction layer `index`), one part."""
+        return self._block_items(self.extra_blocks[index])
 
     def non_layer_items(self) -> list[TensorChunk]:
         """The embedding, final norm and output layer, each read only when written (written as
         parts of their own, the two vocabulary-sized matrices are then never held together)."""
-        chunks = []
-        for hf, mg in NON_LAYER.items():
-            if hf == "lm_head.weight" and self.arch.tie_word_embeddings:
-                continue
-            shape = self.reader.shapes[hf]
-            chunks.append(TensorChunk(mg, shape, (0,) * len(shape), shape, self.dtype,
-                                      lambda hf=hf: self.reader.read(hf).to(self.dtype)))
+        block, chunks = self.blocks[0], []
+        for rule in block.rules:
+            shape = megatron_shape(rule)
+            chunks.append(TensorChunk(rule.megatron, shape, (0,) * len(shape), shape,
+                                      self._dtype(block, rule),
+                                      lambda rule=rule: self._convert(block, rule)))
         return chunks
+
+
+class _Shared:
+    """A tensor made on its first use and let go after its last (`uses`: the chunks written
+    from it), so a layer's routed experts are never all held at once."""
+
+    def __init__(self, make: Callable[[], torch.Tensor], uses: int):
+        self.make, self.uses, self.value = make, uses, None
+
+    def __call__(self) -> torch.Tensor:
+        value = self.value if self.value is not None else self.make()
+        self.uses -= 1
+        self.value = value if self.uses > 0 else None
+        return value
+
+
+class _Placement:
+    """Where a block's Megatron tensors go: a decoder layer's keys follow the checkpoint's key
+    layout; another block's are `megatron_prefix + key`, routed experts on an expert axis."""
+
+    def __init__(self, layout: KeyLayout, block: Block):
+        self.layout, self.block = layout, block
+
+    def tensor(self, key: str, shape, dtype, make: Callable, glu: bool) -> list[TensorChunk]:
+        if self.block.layer is not None:
+            return self.layout.layer_tensor(key, self.block.layer, shape, dtype, make, glu)
+        return KeyLayout._chunks(self.block.megatron_prefix + key, (), (), shape, dtype, make,
+                                 glu, singleton=False)
+
+    def expert_tensor(self, key: str, e: int, E: int, shape, dtype, make: Callable, glu: bool
+                      ) -> list[TensorChunk]:
+        name = key.removeprefix(MEGATRON_EXPERTS)
+        if self.block.layer is not None:
+            return self.layout.expert_tensor(name, self.block.layer, e, E, shape, dtype, make,
+                                             glu)
+        return KeyLayout._chunks(self.block.megatron_prefix + key, (e,), (E,), shape, dtype,
+                                 make, glu, singleton=False)
+
+    def object(self, key: str) -> ObjectItem:
+        if self.block.layer is not None:
+            return self.layout.layer_object(key, self.block.layer, none_bytes())
+        return ObjectItem(object_key(self.block.megatron_prefix + key), none_bytes())
+
+    def expert_object(self, key: str, e: int, E: int) -> ObjectItem:
+        name = key.removeprefix(MEGATRON_EXPERTS)
+        if self.block.layer is not None:
+            return self.layout.expert_object(name, self.block.layer, e, E, none_bytes())
+        return ObjectItem(object_key(self.block.megatron_prefix + key, (e,), (E,)),
+                          none_bytes())
 
 
 def _layer_index(name: str) -> int:

@@ -3,8 +3,9 @@ sharded writer.
 
 Reader: `model.safetensors`, or shards named by `model.safetensors.index.json` (`weight_map`:
 tensor name -> shard file). Every shard's header is read up front, so a missing shard, an index
-naming a tensor its shard lacks, or a dtype megamoe cannot train (quantised int/fp8 weights) is
-reported in one line before anything is written. Tensors are then read one at a time
+naming a tensor its shard lacks, or a dtype megamoe cannot train (quantised int/fp8 weights, unless
+the caller accepts a release's packed dtypes: megamoe.checkpointing.quantized) is reported in one
+line before anything is written. Tensors are then read one at a time
 (memory-mapped by safetensors), never a whole shard.
 
 Writer: tensors are added one at a time and flushed to a new shard whenever the pending bytes
@@ -36,10 +37,16 @@ FLOAT_DTYPES = ("F32", "BF16", "F16")
 class SafetensorsReader:
     """Every tensor of a (sharded) safetensors checkpoint, by name, read on demand."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, packed_dtypes: tuple[str, ...] = ()):
+        """`packed_dtypes`: safetensors dtypes accepted beside FLOAT_DTYPES (a quantised
+        release's float8 weights or uint8 blocks, which megamoe.checkpointing.quantized
+        dequantises); any other dtype is refused."""
         self.directory = directory
+        self.accepted = FLOAT_DTYPES + tuple(packed_dtypes)
         self.shard_of = self._weight_map()
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
+        """Tensor name -> its safetensors dtype ("F32", "BF16", "F8_E4M3", "U8", ...)."""
         for shard in sorted(set(self.shard_of.values())):
             self._check_shard(shard)
         unlisted = sorted(set(self.shard_of) - set(self.shapes))
@@ -87,11 +94,14 @@ class SafetensorsReader:
                     continue
                 piece = handle.get_slice(name)
                 dtype = piece.get_dtype()
-                if dtype not in FLOAT_DTYPES:
+                if dtype not in self.accepted:
                     raise CheckpointError(
                         f"{self.directory / shard}: tensor {name} has dtype {dtype}; only "
-                        f"{'/'.join(FLOAT_DTYPES)} weights convert (dequantise the model first)")
+                        f"{'/'.join(self.accepted)} weights convert here (config.json's "
+                        "quantization_config names the formats dequantised: fp8 block scales, "
+                        "mxfp4; dequantise other models first)")
                 self.shapes[name] = tuple(piece.get_shape())
+                self.dtypes[name] = dtype
 
     def __contains__(self, name: str) -> bool:
         return name in self.shapes
@@ -100,12 +110,14 @@ class SafetensorsReader:
         return list(self.shapes)
 
     def read(self, name: str) -> torch.Tensor:
-        """One tensor, as saved."""
+        """One tensor, as saved (a float one refused if it holds NaN/Inf)."""
         if name not in self.shapes:
             raise CheckpointError(f"{self.directory} lacks tensor {name}; the checkpoint is "
                                   "incomplete or of another architecture")
         with self._open(self.shard_of[name]) as handle:
             tensor = handle.get_tensor(name)
+        if self.dtypes[name] not in FLOAT_DTYPES:
+            return tensor  # packed: checked once dequantised
         return require_finite(tensor, f"{self.directory / self.shard_of[name]}: tensor {name}")
 
 

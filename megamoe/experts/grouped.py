@@ -2,7 +2,11 @@
 
 fc1_weight [L, F', D] and fc2_weight [L, D, F] keep each expert's matrices in Megatron-Core's
 (out, in) orientation (F' = 2F for swiglu, gate half first), so checkpoints map one-to-one onto
-Megatron's per-expert `linear_fc1.weight` / `linear_fc2.weight`.
+Megatron's per-expert `linear_fc1.weight` / `linear_fc2.weight`. With `experts.bias` (GPT-OSS)
+each expert also has fc1 and fc2 biases, Megatron's `linear_fc1.bias` / `linear_fc2.bias`, held
+flat, fc1_bias [L F'] and fc2_bias [L D] (one expert after another), so that Megatron's
+optimizer, which exempts one-dimensional parameters from weight decay, treats them as the
+biases they are. Experts are never tensor-parallel in megamoe, so each bias is added once.
 
 One kernel on every device: torch's grouped GEMM, `torch.nn.functional.grouped_mm` (the dropless
 grouped-GEMM formulation of MegaBlocks, Gale et al., arXiv 2211.15841: one call per GEMM for all
@@ -26,7 +30,7 @@ import torch
 from torch import nn
 
 from megamoe.config import MoEConfig
-from megamoe.experts.activations import ACTIVATIONS, Activation
+from megamoe.experts.activations import Activation, expert_activation
 
 
 class GroupedGemm(NamedTuple):
@@ -75,30 +79,51 @@ LOOP = GroupedGemm(rows=_loop_rows, outer=_loop_outer,
                    groups=lambda tokens_per_expert, device: list(tokens_per_expert))
 
 
+def _add_per_expert(t_NM: torch.Tensor, bias_LM: torch.Tensor, rows_L: torch.Tensor) -> None:
+    """t += each row's expert's bias, in place."""
+    t_NM += bias_LM.to(t_NM.dtype).repeat_interleave(rows_L, dim=0, output_size=t_NM.shape[0])
+
+
+def _sum_per_expert(t_NM: torch.Tensor, rows_L: torch.Tensor) -> torch.Tensor:
+    """[L, M]: the sum of each expert's block of rows (zero for an expert with none), a bias
+    gradient."""
+    return torch.segment_reduce(t_NM, "sum", lengths=rows_L, axis=0)
+
+
 class _ExpertMLP(torch.autograd.Function):
-    """y = act(x fc1ᵀ) fc2ᵀ, each expert over its block of rows, through `gemm`.
+    """y = act(x fc1ᵀ + b1) fc2ᵀ + b2, each expert over its block of rows, through `gemm`
+    (biases only when given).
 
     The backward is the MLP's four GEMMs and the activation's derivative, written out so it is
     the same for both kernels and each weight gradient is computed straight into one stacked
-    tensor. Saves the pre-activation h and the activation a, what the backward needs."""
+    tensor; a bias's gradient is the sum of its expert's rows of the gradient it is added to.
+    Saves the pre-activation h and the activation a, what the backward needs."""
 
     @staticmethod
-    def forward(ctx, x_ND, fc1_LFD, fc2_LDF, gemm: GroupedGemm, groups,
-                activation: Activation):
+    def forward(ctx, x_ND, fc1_LFD, fc2_LDF, fc1_bias_LF, fc2_bias_LD, gemm: GroupedGemm,
+                groups, rows_L, activation: Activation):
         h_NF = gemm.rows(x_ND, fc1_LFD.transpose(1, 2), groups)
+        if fc1_bias_LF is not None:
+            _add_per_expert(h_NF, fc1_bias_LF, rows_L)
         a_NF = activation.forward(h_NF)
-        ctx.save_for_backward(x_ND, fc1_LFD, fc2_LDF, h_NF, a_NF)
+        ctx.save_for_backward(x_ND, fc1_LFD, fc2_LDF, h_NF, a_NF, rows_L)
         ctx.gemm, ctx.groups, ctx.activation = gemm, groups, activation
-        return gemm.rows(a_NF, fc2_LDF.transpose(1, 2), groups)
+        ctx.biased = fc1_bias_LF is not None
+        y_ND = gemm.rows(a_NF, fc2_LDF.transpose(1, 2), groups)
+        if fc2_bias_LD is not None:
+            _add_per_expert(y_ND, fc2_bias_LD, rows_L)
+        return y_ND
 
     @staticmethod
     def backward(ctx, grad_y_ND):
-        x_ND, fc1_LFD, fc2_LDF, h_NF, a_NF = ctx.saved_tensors
+        x_ND, fc1_LFD, fc2_LDF, h_NF, a_NF, rows_L = ctx.saved_tensors
         gemm, groups = ctx.gemm, ctx.groups
         grad_y_ND = _row_major(grad_y_ND)
         grad_h_NF = ctx.activation.backward(h_NF, gemm.rows(grad_y_ND, fc2_LDF, groups))
+        grad_biases = ((_sum_per_expert(grad_h_NF, rows_L), _sum_per_expert(grad_y_ND, rows_L))
+                       if ctx.biased else (None, None))
         return (gemm.rows(grad_h_NF, fc1_LFD, groups), gemm.outer(grad_h_NF, x_ND, groups),
-                gemm.outer(grad_y_ND, a_NF, groups), None, None, None)
+                gemm.outer(grad_y_ND, a_NF, groups), *grad_biases, None, None, None, None)
 
 
 def _row_major(t_NM: torch.Tensor) -> torch.Tensor:
@@ -119,14 +144,18 @@ def grouped_mm_fits(x_ND: torch.Tensor, fc2_LDF: torch.Tensor) -> bool:
 
 def expert_mlp(x_ND: torch.Tensor, tokens_per_expert: list[int], fc1_LFD: torch.Tensor,
                fc2_LDF: torch.Tensor, activation: Activation,
-               gemm: Optional[GroupedGemm] = None) -> torch.Tensor:
+               gemm: Optional[GroupedGemm] = None, fc1_bias_LF: Optional[torch.Tensor] = None,
+               fc2_bias_LD: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Every local expert's MLP over its block of rows of x (rows sorted by expert,
     `tokens_per_expert` of them each), through `gemm`: by default `GROUPED_MM` where it fits,
-    else `LOOP`."""
+    else `LOOP`; with both biases or neither."""
     if gemm is None:
         gemm = GROUPED_MM if grouped_mm_fits(x_ND, fc2_LDF) else LOOP
     groups = gemm.groups(tokens_per_expert, x_ND.device)
-    return _ExpertMLP.apply(_row_major(x_ND), fc1_LFD, fc2_LDF, gemm, groups, activation)
+    rows_L = (torch.tensor(tokens_per_expert, dtype=torch.int64, device=x_ND.device)
+              if fc1_bias_LF is not None else None)
+    return _ExpertMLP.apply(_row_major(x_ND), fc1_LFD, fc2_LDF, fc1_bias_LF, fc2_bias_LD, gemm,
+                            groups, rows_L, activation)
 
 
 class GroupedExperts(nn.Module):
@@ -144,19 +173,31 @@ class GroupedExperts(nn.Module):
         for expert in range(num_local_experts):
             (init_method or default_init)(self.fc1_weight.data[expert])
             (output_init_method or default_init)(self.fc2_weight.data[expert])
-        for param in (self.fc1_weight, self.fc2_weight):
+        self.fc1_bias = self.fc2_bias = None
+        if cfg.experts.bias:  # zeros, as Megatron's linear biases start
+            self.fc1_bias = nn.Parameter(torch.zeros(num_local_experts * fc1_out))
+            self.fc2_bias = nn.Parameter(torch.zeros(num_local_experts * cfg.hidden_size))
+        for param in self.parameters():
             param.allreduce = False  # Megatron DDP: expert grads reduce over expert-DP only
             # Not a copy of another tensor-parallel rank's weights (each expert-data-parallel
             # rank, tensor-parallel ranks included, owns its shard in the distributed
             # optimizer): Megatron's gradient norm counts them on every rank, as it does its own
             # expert weights, which carry these attributes.
             param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
-        self.activation = ACTIVATIONS[cfg.experts.activation]
+        self.activation = expert_activation(cfg.experts)
 
     @property
     def num_local_experts(self) -> int:
         return self.fc1_weight.shape[0]
 
+    def biases(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The fc1 and fc2 biases as [L, F'] and [L, D] views (None, None without biases)."""
+        if self.fc1_bias is None:
+            return None, None
+        L = self.num_local_experts
+        return self.fc1_bias.view(L, -1), self.fc2_bias.view(L, -1)
+
     def forward(self, x_ND: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        fc1_bias_LF, fc2_bias_LD = self.biases()
         return expert_mlp(x_ND, tokens_per_expert, self.fc1_weight, self.fc2_weight,
-                          self.activation)
+                          self.activation, fc1_bias_LF=fc1_bias_LF, fc2_bias_LD=fc2_bias_LD)

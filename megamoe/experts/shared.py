@@ -10,7 +10,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from megamoe.config import MoEConfig
-from megamoe.experts.activations import ACTIVATIONS
+from megamoe.experts.activations import expert_activation
 
 
 class SharedExpert(nn.Module):
@@ -28,7 +28,7 @@ class SharedExpert(nn.Module):
             (init_method or default_init)(self.gate_weight.data)
         else:
             self.gate_weight = None
-        self.activation = ACTIVATIONS[cfg.experts.activation].forward
+        self.activation = expert_activation(cfg.experts).forward
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         y_TD = self.linear_fc2(self.activation(self.linear_fc1(x_TD)))

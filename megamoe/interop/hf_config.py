@@ -5,11 +5,12 @@
   by tools/import_hf.py and carried into every checkpoint of a run started from it;
   megamoe.upcycle.hf_files) and the export's architecture is the source's: its config.json with
   only the keys training changed, and its generation_config.json byte for byte. A key changed
-  is one where the config generated from the trained settings (`generated_config`) differs
-  from the one generated from the source's own settings (read back by
-  megamoe.checkpointing.hf_moe_arch), plus the dtype of the written tensors and
-  `num_nextn_predict_layers` when the import dropped multi-token-prediction layers; the
-  generator's own spelling thus never shows as a change. Each changed key is named.
+  is one where the config generated from the trained settings (`generated_config`, the
+  architecture's `write_config`, megamoe.checkpointing.hf) differs from the one generated from
+  the source's own settings (read back by its `read_config`), plus the dtype of the written
+  tensors, `num_nextn_predict_layers` when the import dropped multi-token-prediction layers,
+  and `quantization_config` removed (the written tensors are dequantised); the generator's own
+  spelling thus never shows as a change. Each changed key is named.
 - **Generated** for a model megamoe made (upcycled, trained from scratch, exported as another
   architecture): bos/eos/pad ids from the recorded tokenizer (a dense Hugging Face source's own
   ids when it was upcycled from one), `max_position_embeddings` the context the model was
@@ -25,18 +26,19 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megamoe.bounded import read_bytes_bounded, read_json
-from megamoe.checkpointing.hf_arch import LLAMA3_ROPE, MAX_CONFIG_BYTES
-from megamoe.checkpointing.hf_moe_arch import read_hf_moe_model
+from megamoe.checkpointing.hf import ARCHITECTURES, read_hf_moe_model
+from megamoe.checkpointing.hf.base import ExportSettings
+from megamoe.checkpointing.hf_arch import MAX_CONFIG_BYTES
 from megamoe.errors import CheckpointError
 from megamoe.paths import inside
 from megamoe.train.config import config_from_dict, yarn_settings
 from megamoe.upcycle.hf_files import SOURCE_FILES, SOURCE_RECORD
 
-ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 ROPE_KEYS = ("rope_theta", "rope_scaling")
 DTYPE_KEYS = ("dtype", "torch_dtype")
 ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+DROPPED_KEYS = ("quantization_config",)
+"""Keys of the source's config.json the export never writes: its tensors are dequantised."""
 
 
 @dataclass
@@ -64,60 +66,25 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def export_settings(config, pattern: list[bool], vocab_size: int = 0, context: int = 0,
+                    mtp_layers: int = 0) -> ExportSettings:
+    """What the architecture tables (megamoe.checkpointing.hf) read of a model with the megamoe
+    settings `config` (TrainConfig) and layer pattern `pattern`."""
+    m, moe = config.model, config.moe_config()
+    return ExportSettings(model=m, moe=moe, pattern=tuple(pattern), vocab_size=vocab_size,
+                          context=context, mtp_layers=mtp_layers,
+                          yarn=yarn_settings(m.yarn) if m.yarn else {},
+                          aux_loss_coeff=next(iter(moe.balancing.loss_coeffs.values()), 0.0))
+
+
 def generated_config(arch: str, config, pattern: list[bool], vocab_size: int, context: int,
                      mtp_layers: int = 0) -> dict:
     """The config.json of a model of architecture `arch` with the megamoe settings `config`
     (TrainConfig), layer pattern `pattern`, `vocab_size` embedding rows and a context of
-    `context` tokens (no ids, no dtype: `exported_configs` adds them)."""
-    m, moe = config.model, config.moe_config()
-    head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
-    common = dict(
-        architectures=[ARCHITECTURES[arch]], model_type=arch, vocab_size=vocab_size,
-        hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_query_groups or m.num_attention_heads, head_dim=head_dim,
-        hidden_act="silu", max_position_embeddings=context, rms_norm_eps=m.norm_epsilon,
-        rope_theta=float(m.rotary_base), tie_word_embeddings=m.share_embeddings,
-        num_experts_per_tok=moe.topk, attention_dropout=0.0, use_cache=True)
-    if m.rope_scaling_factor is not None:
-        common["rope_scaling"] = {"rope_type": "llama3", "factor": m.rope_scaling_factor,
-                                  **LLAMA3_ROPE}
-    if arch == "deepseek_v3":
-        return {**common, **_deepseek_v3_config(config, pattern, mtp_layers)}
-    aux = next(iter(moe.balancing.loss_coeffs.values()), 0.0)
-    if arch == "mixtral":
-        return {**common, "intermediate_size": moe.ffn_hidden_size,
-                "num_local_experts": moe.num_experts, "sliding_window": None,
-                "router_aux_loss_coef": aux}
-    qwen = {**common, "intermediate_size": m.ffn_hidden_size,
-            "moe_intermediate_size": moe.ffn_hidden_size, "num_experts": moe.num_experts,
-            "norm_topk_prob": not moe.router.pre_softmax, "decoder_sparse_step": 1,
-            "mlp_only_layers": [i for i, is_moe in enumerate(pattern) if not is_moe],
-            "use_sliding_window": False, "router_aux_loss_coef": aux}
-    if arch == "qwen2_moe":
-        return {**qwen, "shared_expert_intermediate_size": moe.shared_expert.ffn_hidden_size,
-                "qkv_bias": True}
-    return {**qwen, "attention_bias": m.add_qkv_bias}
-
-
-def _deepseek_v3_config(config, pattern: list[bool], mtp_layers: int) -> dict:
-    """DeepSeek-V3's own config.json fields (on top of the common ones)."""
-    m, moe = config.model, config.moe_config()
-    router = moe.router
-    fields = dict(
-        num_key_value_heads=m.num_attention_heads, head_dim=m.qk_pos_emb_head_dim,
-        intermediate_size=m.ffn_hidden_size, moe_intermediate_size=moe.ffn_hidden_size,
-        n_routed_experts=moe.num_experts,
-        n_shared_experts=(moe.shared_expert.ffn_hidden_size or 0) // moe.ffn_hidden_size,
-        routed_scaling_factor=router.topk_scaling_factor or 1.0, n_group=router.num_groups or 1,
-        topk_group=router.groups_per_token or 1, norm_topk_prob=True,
-        first_k_dense_replace=pattern.index(True), q_lora_rank=m.q_lora_rank,
-        kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_head_dim,
-        qk_rope_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim, rope_interleave=True,
-        attention_bias=False, num_nextn_predict_layers=mtp_layers)
-    if m.yarn:
-        fields["rope_scaling"] = {"type": "yarn", **yarn_settings(m.yarn)}
-    return fields
+    `context` tokens (no ids, no dtype: `exported_configs` adds them): the architecture's
+    `write_config`."""
+    return ARCHITECTURES[arch].write_config(
+        export_settings(config, pattern, vocab_size, context, mtp_layers))
 
 
 def trained_context(model, source_context: Optional[int] = None) -> int:
@@ -177,7 +144,8 @@ def _from_source(arch: str, config, pattern: list[bool], vocab_size: int, dtype:
                                 own_context, mtp)
     now = generated_config(arch, config, pattern, vocab_size,
                            trained_context(config.model, own_context),
-                           0 if record.get("dropped_mtp_layers") else mtp)
+                           config.model.mtp_layers or
+                           (0 if record.get("dropped_mtp_layers") else mtp))
     changed = {key: now.get(key) for key in {**baseline, **now}
                if baseline.get(key) != now.get(key)}
     changed = _in_source_spelling(changed, source)
@@ -185,6 +153,9 @@ def _from_source(arch: str, config, pattern: list[bool], vocab_size: int, dtype:
     if source.get(dtype_key) != dtype:
         changed[dtype_key] = dtype
     out = {**source, **changed}
+    for key in DROPPED_KEYS:
+        if out.pop(key, None) is not None:
+            changed[key] = None
     origin = f"the source's ({kept})" + ("" if changed else ", no key changed")
     return ExportedConfigs(out, generation, origin,
                            {key: (source.get(key), value) for key, value in changed.items()})
@@ -197,7 +168,7 @@ def _generated(arch: str, config, pattern: list[bool], vocab_size: int, dtype: s
     source = dense[0] if dense else {}
     context = source.get("max_position_embeddings")
     context = trained_context(config.model, context if isinstance(context, int) else None)
-    out = generated_config(arch, config, pattern, vocab_size, context)
+    out = generated_config(arch, config, pattern, vocab_size, context, config.model.mtp_layers)
     for key in ID_KEYS:
         value = source.get(key)
         out[key] = value if value is not None else ids.get(key)

@@ -1,62 +1,53 @@
-"""Export a megamoe MoE checkpoint as a Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE or DeepSeek-V3
-model.
+"""Export a megamoe MoE checkpoint as a Hugging Face model of one of the architectures of
+megamoe.checkpointing.hf (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, ...).
 
 Input: a torch_dist checkpoint written by megamoe (a training checkpoint, whose common state
-holds the run's `config`, or tools/upcycle_ckpt.py's output from a Hugging Face model, whose
-common state holds `megamoe_model`). The architecture is taken from those `model`/`moe`
-sections; what the target architecture cannot express is refused in one line before anything
-is written (`check_expressible`). config.json and generation_config.json are the source model's
-own, changed only where training changed them, when the checkpoint keeps them, else generated
-(megamoe.interop.hf_config); the tokenizer is the one the checkpoint records
-(megamoe.interop.export_tokenizer). Tensors are read one layer at a time through DCP
-(megamoe.checkpointing.dist_source, any key layout) and written into size-bounded safetensors
-shards (megamoe.checkpointing.safetensors_io), so memory holds one layer plus one shard.
+holds the run's `config`, or tools/upcycle_ckpt.py's / tools/import_hf.py's output, whose common
+state holds `megamoe_model`). The architecture is taken from those `model`/`moe` sections; what
+the target architecture cannot express is refused in one line before anything is written
+(`check_expressible`: the checks every architecture shares, then its own). config.json and
+generation_config.json are the source model's own, changed only where training changed them,
+when the checkpoint keeps them, else generated (megamoe.interop.hf_config, the architecture's
+`write_config`); the tokenizer is the one the checkpoint records
+(megamoe.interop.export_tokenizer).
 
-Key mapping, layer l (`model.layers.{l}.`), Megatron -> Hugging Face (hub layout, per expert):
-- `self_attention.linear_qkv.layer_norm_weight` -> `input_layernorm.weight`
-- `self_attention.linear_qkv.weight|bias` -> `self_attn.{q,k,v}_proj.weight|bias`
-  (megamoe.checkpointing.hf_source.split_qkv); Qwen2-MoE always has QKV biases (zeros when absent)
-- `self_attention.linear_proj.weight` -> `self_attn.o_proj.weight`
-- `self_attention.{q,k}_layernorm.weight` -> `self_attn.{q,k}_norm.weight` (Qwen3-MoE)
-- `mlp.linear_fc1.layer_norm_weight` (or `pre_mlp_layernorm.weight`) -> `post_attention_layernorm`
-- `mlp.router.weight` -> Mixtral `block_sparse_moe.gate.weight`, Qwen `mlp.gate.weight`
-- expert e's `linear_fc1` [gate; up] and `linear_fc2` -> Mixtral `block_sparse_moe.experts.{e}.
-  w1|w3|w2`, Qwen `mlp.experts.{e}.gate_proj|up_proj|down_proj`
-- `mlp.shared_experts.linear_fc1|fc2|gate_weight` -> Qwen2-MoE `mlp.shared_expert.*`,
-  `mlp.shared_expert_gate.weight`
-- dense layers (`mlp.linear_fc1|fc2`) -> `mlp.gate_proj|up_proj|down_proj` (`mlp_only_layers`)
-- DeepSeek-V3: multi-head latent attention and its norms as `megamoe.checkpointing.
-  hf_moe_source.MLA_NAMES` lists them (DeepSeek's interleaved RoPE pairs, `rope_interleave`),
-  `mlp.router.expert_bias` -> `mlp.gate.e_score_correction_bias`, `mlp.shared_experts.*` ->
-  `mlp.shared_experts.*` (`n_shared_experts` = shared size / expert size), the leading dense
-  layers -> `first_k_dense_replace`
+The tensors follow the architecture's table read from the config.json written (its
+`read_config`, then `layer_rules`: the very rules the import reads, each transform run the
+other way). Tensors are read one layer at a time through DCP (megamoe.checkpointing.dist_source,
+any key layout) and written into size-bounded safetensors shards
+(megamoe.checkpointing.safetensors_io), so memory holds one layer plus one shard. Every
+Megatron tensor of the checkpoint must find its rule and every Hugging Face tensor of the table
+must be written (`TensorLedger`), else one line names the tensor.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
 from megamoe.atomic import atomic_directory
-from megamoe.checkpointing.hf_arch import HFArch, read_config_json
-from megamoe.checkpointing.hf_moe_arch import DEEPSEEK_GROUP_SCORE_TOPK
-from megamoe.checkpointing.hf_moe_source import MLA_NAMES
-from megamoe.checkpointing.hf_source import split_qkv
+from megamoe.checkpointing.hf import ARCHITECTURES
+from megamoe.checkpointing.hf.base import (ALL_EXPERTS, FEATURES, MEGATRON_EXPERTS,
+                                           Architecture, Block, Rule, TensorLedger)
+from megamoe.checkpointing.hf.mtp import mtp_blocks
+from megamoe.checkpointing.dist_source import (SKIPPED_PREFIXES, DistSource, join_glu_halves,
+                                               split_layer_key)
+from megamoe.checkpointing.hf_arch import read_config_json
 from megamoe.checkpointing.safetensors_io import ShardedSafetensorsWriter
 from megamoe.config import moe_layer_pattern
 from megamoe.errors import CheckpointError, ConfigError
 from megamoe.interop.export_tokenizer import recorded_tokenizer, token_ids
-from megamoe.interop.hf_config import ARCHITECTURES, exported_configs
+from megamoe.interop.hf_config import export_settings, exported_configs
 from megamoe.paths import refuse_overlap
 from megamoe.train.tokenizer import write_tokenizer_files
 from megamoe.upcycle.hf_files import kept_source
 from megamoe.upcycle.hf_logits import require_within
 
 ARCHS = tuple(ARCHITECTURES)
-EXPERTS = "mlp.experts.experts."
+EMBEDDING = "embedding.word_embeddings.weight"
 VERIFY_TOLERANCE = 1e-4
 
 
@@ -81,202 +72,173 @@ def _model_sections(common: dict, folder: Path) -> dict:
                           "Face model); export needs one of those")
 
 
-def default_arch(config) -> str:
-    """The architecture that expresses this model: DeepSeek-V3 with latent attention, Qwen3-MoE
-    with QK norm, Qwen2-MoE with a shared expert, else Mixtral."""
-    if config.model.multi_latent_attention:
-        return "deepseek_v3"
-    if config.model.qk_layernorm:
-        return "qwen3_moe"
-    if config.moe_config().shared_expert.ffn_hidden_size:
-        return "qwen2_moe"
-    return "mixtral"
+def default_arch(config, pattern: list[bool]) -> str:
+    """The first registered architecture that expresses this model (none: one line with each
+    one's reason)."""
+    reasons = []
+    for arch in ARCHS:
+        try:
+            check_expressible(arch, config, pattern)
+            return arch
+        except ConfigError as err:
+            reasons.append(str(err))
+    raise ConfigError("no Hugging Face architecture expresses this model: " + " | ".join(reasons))
 
 
 def check_expressible(arch: str, config, pattern: list[bool]) -> None:
-    """Raise a one-line ConfigError for the first setting `arch` cannot express."""
-    m, moe = config.model, config.moe_config()
-
-    def refuse(what: str, fix: str) -> None:
-        raise ConfigError(f"--arch {arch} cannot express {what}; {fix}")
-
-    if arch not in ARCHS:
+    """Raise a one-line ConfigError for the first setting `arch` cannot express: the checks
+    every architecture shares, then the architecture's own."""
+    if arch not in ARCHITECTURES:
         raise ConfigError(f"--arch {arch!r} is not one of {list(ARCHS)}")
+    table = ARCHITECTURES[arch]
+    m, moe = config.model, config.moe_config()
     if config.moe.layer_overrides:
-        refuse("per-layer MoE overrides (moe.layer_overrides)", "export a uniform MoE model")
+        table.refuse("per-layer MoE overrides (moe.layer_overrides)", "export a uniform MoE model")
     if moe.router.kind != "topk":
-        refuse(f"router.kind={moe.router.kind!r} (only top-k)", "train with moe.router.kind=topk")
+        table.refuse(f"router.kind={moe.router.kind!r} (only top-k)",
+                     "train with moe.router.kind=topk")
     if moe.dispatcher.capacity_factor is not None:
-        refuse(f"dispatcher.capacity_factor={moe.dispatcher.capacity_factor} (token dropping; "
-               "Hugging Face MoE blocks are dropless)",
-               "train dropless (moe.dispatcher.capacity_factor=null)")
-    if moe.experts.activation != "swiglu" or not m.swiglu:
-        refuse(f"activation {moe.experts.activation!r} (only SwiGLU)", "train with SwiGLU")
+        table.refuse(f"dispatcher.capacity_factor={moe.dispatcher.capacity_factor} (token "
+                     "dropping; Hugging Face MoE blocks are dropless)",
+                     "train dropless (moe.dispatcher.capacity_factor=null)")
+    if moe.experts.activation not in table.activations or not m.swiglu:
+        table.refuse(f"activation {moe.experts.activation!r} (only "
+                     f"{', '.join(table.activations)})", "train with SwiGLU")
     if m.normalization != "RMSNorm" or m.position_embedding != "rope":
-        refuse(f"normalization={m.normalization} / position_embedding={m.position_embedding} "
-               "(only RMSNorm and RoPE)", "train a Llama-shaped model")
-    if arch == "deepseek_v3":
-        _check_deepseek_v3(refuse, config, pattern)
-    else:
-        _check_softmax_family(arch, refuse, config, pattern)
+        table.refuse(f"normalization={m.normalization} / position_embedding="
+                     f"{m.position_embedding} (only RMSNorm and RoPE)",
+                     "train a Llama-shaped model")
+    settings = export_settings(config, pattern)
+    for feature, (used, what) in FEATURES.items():
+        if used(settings) and feature not in table.features:
+            holders = [name for name, other in ARCHITECTURES.items() if feature in other.features]
+            table.refuse(what, f"use {' or '.join(holders)}" if holders else
+                         "train without it (no architecture megamoe exports holds it)")
+    table.check_expressible(settings)
 
 
-def _check_deepseek_v3(refuse: Callable[[str, str], None], config, pattern: list[bool]) -> None:
-    m, moe = config.model, config.moe_config()
-    if not m.multi_latent_attention:
-        refuse("grouped-query attention (DeepSeek-V3 has multi-head latent attention)",
-               "use mixtral, qwen2_moe or qwen3_moe")
-    router = moe.router
-    if router.score_function != "sigmoid" or moe.topk < 2:
-        refuse(f"router.score_function={router.score_function!r} with topk={moe.topk} "
-               "(DeepSeek-V3 renormalises top-k sigmoid gates, k >= 2)",
-               "use mixtral, qwen2_moe or qwen3_moe")
-    scoring = router.num_groups and router.experts_scoring_a_group(moe.topk)
-    if scoring and scoring != DEEPSEEK_GROUP_SCORE_TOPK:
-        refuse(f"groups scored by their top {scoring} experts "
-               f"(DeepSeek-V3 scores by the top {DEEPSEEK_GROUP_SCORE_TOPK})",
-               f"train with moe.router.group_score_topk={DEEPSEEK_GROUP_SCORE_TOPK}")
-    shared = moe.shared_expert.ffn_hidden_size or 0
-    if moe.shared_expert.gate or shared % moe.ffn_hidden_size:
-        refuse(f"a shared expert of size {shared} (gate {moe.shared_expert.gate}; DeepSeek-V3 "
-               "has ungated shared experts of whole expert sizes)",
-               "train with moe.shared_expert.gate=false and a multiple of moe.ffn_hidden_size")
-    first_moe = pattern.index(True)
-    if not all(pattern[first_moe:]):
-        refuse("dense layers after the first MoE layer (DeepSeek-V3 has only leading dense "
-               "layers)", "use qwen2_moe or qwen3_moe (mlp_only_layers)")
+class _Tensors:
+    """One block's Megatron tensors by key (`read` gives each, when a rule asks for it), and
+    the keys its rules used."""
+
+    def __init__(self, tensors: Iterable[str], where: str, outside: Optional[_Tensors] = None,
+                 read: Optional[Callable[[str], torch.Tensor]] = None):
+        """tensors: a dict of them, or their keys with `read`; outside: the tensors outside
+        the layers, where a copy's original lives."""
+        self.tensors = tensors if read is None else dict.fromkeys(tensors)
+        self.read = read or tensors.__getitem__
+        self.where, self.used = where, set()
+        self.outside = outside or self
+
+    def _take(self, key: str) -> torch.Tensor:
+        self.used.add(key)
+        return self.read(key)
+
+    def find(self, block: Block, rule: Rule, num_experts: int) -> Optional[torch.Tensor]:
+        """The Megatron tensor of `rule` (None: the checkpoint has none)."""
+        if rule.copy_of:
+            outside = self.outside
+            return outside.read(rule.megatron) if rule.megatron in outside.tensors else None
+        keys = [block.megatron_prefix + key for key in (rule.megatron, *rule.aliases)]
+        if rule.expert is None:
+            return next((self._take(key) for key in keys if key in self.tensors), None)
+        stacked = keys[0]
+        if stacked in self.tensors:
+            tensor = self._take(stacked)
+            return tensor if rule.expert == ALL_EXPERTS else tensor[rule.expert]
+        one = stacked.replace(MEGATRON_EXPERTS, MEGATRON_EXPERTS + "{}.", 1).format
+        experts = range(num_experts) if rule.expert == ALL_EXPERTS else (rule.expert,)
+        if not all(one(e) in self.tensors for e in experts):
+            return None
+        parts = [self._take(one(e)) for e in experts]
+        return torch.stack(parts) if rule.expert == ALL_EXPERTS else parts[0]
+
+    def check_all_used(self) -> None:
+        left = sorted(set(self.tensors) - self.used)
+        if left:
+            raise CheckpointError(f"{self.where}: tensor {left[0]} has no place in the "
+                                  f"exported model ({len(left)} such); the checkpoint holds "
+                                  "what this architecture cannot write")
 
 
-def _check_softmax_family(arch: str, refuse: Callable[[str, str], None], config,
-                          pattern: list[bool]) -> None:
-    m, moe = config.model, config.moe_config()
-    if m.multi_latent_attention:
-        refuse("multi-head latent attention", "use deepseek_v3")
-    router = moe.router
-    if router.score_function != "softmax":
-        refuse(f"router.score_function={router.score_function!r} routing (only softmax)",
-               "train with moe.router.score_function=softmax, or use deepseek_v3")
-    if router.num_groups or router.groups_per_token:
-        refuse("group-limited routing (moe.router.num_groups)", "train without group limits, "
-               "or use deepseek_v3")
-    if router.topk_scaling_factor not in (None, 1.0):
-        refuse(f"router.topk_scaling_factor={router.topk_scaling_factor}", "train without it, "
-               "or use deepseek_v3")
-    if arch == "mixtral":
-        if router.pre_softmax and moe.topk > 1:
-            refuse("gates without renormalisation (moe.router.pre_softmax=true)", "use qwen2_moe "
-                   "or qwen3_moe (norm_topk_prob=false)")
-        if not all(pattern):
-            refuse("dense layers between MoE layers (Mixtral has none)",
-                   "use qwen2_moe or qwen3_moe (mlp_only_layers)")
-        if m.add_qkv_bias:
-            refuse("QKV biases", "use qwen2_moe")
-    shared = moe.shared_expert.ffn_hidden_size
-    if arch in ("mixtral", "qwen3_moe") and shared:
-        refuse("a shared expert", "use qwen2_moe (shared expert with gate)")
-    if arch == "qwen2_moe" and not (shared and moe.shared_expert.gate):
-        refuse("an MoE layer without a gated shared expert (Qwen2-MoE always has one)",
-               "use mixtral or qwen3_moe")
-    if (arch == "qwen3_moe") != m.qk_layernorm:
-        refuse(f"qk_layernorm={m.qk_layernorm} (Qwen3-MoE always normalises Q and K, the "
-               "others never)", "use qwen3_moe exactly for models with model.qk_layernorm")
-
-
-class _LayerMapper:
-    """Hugging Face tensors of one Megatron layer (see the module docstring)."""
-
-    def __init__(self, arch: str, config):
-        m = config.model
-        self.arch = arch
-        self.attn = HFArch(
-            model_type=arch, num_layers=m.num_layers, hidden_size=m.hidden_size,
-            num_attention_heads=m.num_attention_heads,
-            num_key_value_heads=m.num_query_groups or m.num_attention_heads,
-            head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads,
-            intermediate_size=m.ffn_hidden_size, vocab_size=0, rope_theta=m.rotary_base,
-            rope_scaling_factor=m.rope_scaling_factor, rms_norm_eps=m.norm_epsilon,
-            tie_word_embeddings=m.share_embeddings, qkv_bias=m.add_qkv_bias,
-            qk_norm=m.qk_layernorm, max_position_embeddings=m.seq_length)
-        self.moe_prefix = "block_sparse_moe." if arch == "mixtral" else "mlp."
-        self.expert_names = (("w1", "w3", "w2") if arch == "mixtral"
-                             else ("gate_proj", "up_proj", "down_proj"))
-
-    def tensors(self, index: int, mg: dict[str, torch.Tensor], is_moe: bool
-                ) -> Iterator[tuple[str, torch.Tensor]]:
-        p = f"model.layers.{index}."
-        if self.arch == "deepseek_v3":
-            yield from ((p + hf, mg[key]) for hf, key in MLA_NAMES.items() if key in mg)
+def _block_tensors(block: Block, tensors: _Tensors, table: Architecture, num_experts: int,
+                   dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """The Hugging Face tensors of one block, from its Megatron tensors (each rule's inverse
+    transform)."""
+    out = []
+    for rule in block.rules:
+        tensor = tensors.find(block, rule, num_experts)
+        if rule.nonzero_refusal is not None:
+            if tensor is not None and bool(tensor.abs().max() > 0):
+                raise ConfigError(rule.nonzero_refusal.format(
+                    layer=block.layer, max=float(tensor.abs().max())))
+            continue
+        if tensor is None and rule.zeros_if_absent:
+            parts = [torch.zeros(shape, dtype=rule.dtype or dtype) for shape in rule.shapes]
+        elif tensor is None:
+            raise CheckpointError(f"{tensors.where} lacks tensor {block.megatron_prefix}"
+                                  f"{rule.megatron} that --arch {table.model_type} needs for "
+                                  f"{block.hf_prefix}{rule.hf[0]}; the checkpoint is incomplete")
         else:
-            yield from self._attention(p, mg)
-        if not is_moe:
-            yield from self._mlp(p + "mlp.", ("gate_proj", "up_proj", "down_proj"),
-                                 mg["mlp.linear_fc1.weight"], mg["mlp.linear_fc2.weight"])
-            return
-        yield from self._moe(index, p, mg)
-
-    def _attention(self, p: str, mg: dict[str, torch.Tensor]
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
-        yield p + "input_layernorm.weight", mg["self_attention.linear_qkv.layer_norm_weight"]
-        norm = mg.get("mlp.linear_fc1.layer_norm_weight", mg.get("pre_mlp_layernorm.weight"))
-        yield p + "post_attention_layernorm.weight", norm
-        q, k, v = split_qkv(mg["self_attention.linear_qkv.weight"], self.attn)
-        yield from ((p + f"self_attn.{n}_proj.weight", t) for n, t in zip("qkv", (q, k, v)))
-        if "self_attention.linear_qkv.bias" in mg or self.arch == "qwen2_moe":
-            bias = mg.get("self_attention.linear_qkv.bias")
-            if bias is None:
-                bias = torch.zeros(mg["self_attention.linear_qkv.weight"].shape[0],
-                                   dtype=q.dtype)
-            qb, kb, vb = split_qkv(bias, self.attn)
-            yield from ((p + f"self_attn.{n}_proj.bias", t) for n, t in zip("qkv", (qb, kb, vb)))
-        yield p + "self_attn.o_proj.weight", mg["self_attention.linear_proj.weight"]
-        for side in "qk":
-            if f"self_attention.{side}_layernorm.weight" in mg:
-                yield p + f"self_attn.{side}_norm.weight", \
-                    mg[f"self_attention.{side}_layernorm.weight"]
-
-    def _moe(self, index: int, p: str, mg: dict[str, torch.Tensor]
-             ) -> Iterator[tuple[str, torch.Tensor]]:
-        router, bias = mg["mlp.router.weight"], mg.get("mlp.router.expert_bias")
-        if self.arch == "deepseek_v3":
-            yield p + "mlp.gate.e_score_correction_bias", (
-                torch.zeros(router.shape[0], dtype=torch.float32) if bias is None else bias)
-        elif bias is not None and bool(bias.abs().max() > 0):
-            raise ConfigError(f"--arch {self.arch} cannot express the expert bias of layer "
-                              f"{index} (loss-free balancing steers selection; max |bias| "
-                              f"{float(bias.abs().max()):.3g}); train without 'bias' in "
-                              "moe.balancing.methods, or use deepseek_v3")
-        yield p + self.moe_prefix + "gate.weight", router
-        for e, (fc1, fc2) in enumerate(_experts(mg, index)):
-            yield from self._mlp(f"{p}{self.moe_prefix}experts.{e}.", self.expert_names, fc1,
-                                 fc2)
-        if "mlp.shared_experts.linear_fc1.weight" in mg:
-            shared = "mlp.shared_experts." if self.arch == "deepseek_v3" else "mlp.shared_expert."
-            yield from self._mlp(p + shared, ("gate_proj", "up_proj", "down_proj"),
-                                 mg["mlp.shared_experts.linear_fc1.weight"],
-                                 mg["mlp.shared_experts.linear_fc2.weight"])
-        if "mlp.shared_experts.gate_weight" in mg:
-            yield p + "mlp.shared_expert_gate.weight", \
-                mg["mlp.shared_experts.gate_weight"].reshape(1, -1)
-
-    @staticmethod
-    def _mlp(prefix: str, names: tuple[str, str, str], fc1: torch.Tensor, fc2: torch.Tensor
-             ) -> Iterator[tuple[str, torch.Tensor]]:
-        gate, up = fc1.chunk(2)
-        yield prefix + f"{names[0]}.weight", gate.contiguous()
-        yield prefix + f"{names[1]}.weight", up.contiguous()
-        yield prefix + f"{names[2]}.weight", fc2
+            parts = rule.transform.to_hf(tensor, rule.shapes)
+        if rule.copy_of:  # written twice: two tensors, not one shared by both names
+            parts = [part.clone() for part in parts]
+        out += [(block.hf_prefix + name, part) for name, part in zip(rule.hf, parts)]
+    return out
 
 
-def _experts(mg: dict[str, torch.Tensor], index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(fc1, fc2) per global expert, from stacked [E, ...] or singleton per-expert keys."""
-    if EXPERTS + "linear_fc1.weight" in mg:
-        return list(zip(mg[EXPERTS + "linear_fc1.weight"], mg[EXPERTS + "linear_fc2.weight"]))
-    count = sum(1 for key in mg if key.startswith(EXPERTS) and key.endswith("linear_fc2.weight"))
-    if not count:
-        raise CheckpointError(f"layer {index} has a router but no expert weights; the "
-                              "checkpoint is incomplete")
-    return [(mg[f"{EXPERTS}{e}.linear_fc1.weight"], mg[f"{EXPERTS}{e}.linear_fc2.weight"])
-            for e in range(count)]
+def _outside_keys(source) -> list[str]:
+    """The checkpoint's model tensors outside `decoder.layers.` (embedding, final norm, output
+    layer, multi-token-prediction layers)."""
+    return [key for key in source.reader.tensors() if split_layer_key(key)[0] is None
+            and not key.startswith(SKIPPED_PREFIXES)]
+
+
+def _read(source, keys: list[str]) -> dict[str, torch.Tensor]:
+    """Those tensors, GLU halves saved apart joined."""
+    return join_glu_halves({key: source.reader.read(key) for key in keys})
+
+
+def _embedding(source, folder: Path) -> tuple[int, torch.dtype]:
+    """(vocabulary rows, dtype) of the checkpoint's embedding, from its metadata."""
+    metadata = source.reader.tensors().get(EMBEDDING)
+    if metadata is None:
+        raise CheckpointError(f"{folder} has no {EMBEDDING}; it is not a GPT checkpoint")
+    return int(metadata.size[0]), metadata.properties.dtype
+
+
+def _write_blocks(source: DistSource, folder: Path, table: Architecture, model, blocks: list[Block],
+                  dtype: torch.dtype, writer: ShardedSafetensorsWriter, save) -> str:
+    """Write every block's Hugging Face tensors, one block's Megatron tensors in memory at a
+    time; fail naming a Megatron tensor no rule took or a Hugging Face tensor not written.
+    Returns the count, one line."""
+    ledger = TensorLedger({name: shape for block in blocks
+                           for name, shape in block.hf_names().items()},
+                          str(save), f"the {table.model_type} model")
+    keys = _outside_keys(source)
+    prefixes = tuple(block.megatron_prefix for block in blocks if block.megatron_prefix)
+    # The embedding and output layer are read when written, never held together.
+    outside = _Tensors([k for k in keys if not k.startswith(prefixes)], str(folder),
+                       read=source.reader.read)
+    if model.arch.tie_word_embeddings:
+        outside.used.add("output_layer.weight")
+    for block in blocks:
+        if block.layer is not None:
+            tensors = _Tensors(source.layer(block.layer).tensors,
+                               f"{folder} layer {block.layer}", outside)
+        elif block.megatron_prefix:
+            tensors = _Tensors(_read(source, [k for k in keys
+                                              if k.startswith(block.megatron_prefix)]),
+                               str(folder), outside)
+        else:
+            tensors = outside
+        for name, tensor in _block_tensors(block, tensors, table, model.moe.num_experts, dtype):
+            ledger.mark(name, tuple(tensor.shape))
+            writer.add(name, tensor)
+        if tensors is not outside:
+            tensors.check_all_used()
+    outside.check_all_used()
+    return ledger.close()
 
 
 def export_hf(load, save, arch: Optional[str] = None, tokenizer=None, overwrite: bool = False,
@@ -288,7 +250,6 @@ def export_hf(load, save, arch: Optional[str] = None, tokenizer=None, overwrite:
     from megamoe.checkpointing.safe_dcp import load_common_state
     from megamoe.train.checkpoint import resolve_weights_dir
     from megamoe.train.config import config_from_dict
-    from megamoe.checkpointing.dist_source import DistSource
 
     refuse_overlap(save, [load, tokenizer])
     folder = resolve_weights_dir(load)
@@ -297,31 +258,26 @@ def export_hf(load, save, arch: Optional[str] = None, tokenizer=None, overwrite:
     config = config_from_dict(sections)
     pattern = moe_layer_pattern(config.model, config.model.first_k_dense)
     kept = kept_source(folder)
-    arch = arch or _source_arch(kept) or default_arch(config)
+    arch = arch or _source_arch(kept) or default_arch(config, pattern)
     check_expressible(arch, config, pattern)
     shipped, record = recorded_tokenizer(folder, common, Path(load), tokenizer)
     source = DistSource(folder, moe=True)
     if source.num_layers != config.model.num_layers:
         raise CheckpointError(f"{folder} has {source.num_layers} layers but its config says "
                               f"{config.model.num_layers}; the checkpoint is corrupt")
-    mapper = _LayerMapper(arch, config)
+    vocab_size, dtype = _embedding(source, folder)
+    configs = exported_configs(arch, config, pattern, vocab_size,
+                               str(dtype).removeprefix("torch."), kept,
+                               token_ids(shipped, record))
+    table = ARCHITECTURES[arch]
+    # The table of the config.json written: what the import of the export will expect.
+    model = table.read_config(configs.config, Path(save) / "config.json")
+    blocks = table.blocks(model) + mtp_blocks(table, model, config.model.mtp_layers)
     with atomic_directory(save, overwrite=overwrite, owner="export_hf") as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
-        vocab_size = dtype = None
-        for key, tensor in source.non_layer_tensors():
-            name = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
-                    "decoder.final_layernorm.weight": "model.norm.weight",
-                    "output_layer.weight": "lm_head.weight"}.get(key)
-            if name is None:
-                continue
-            if name == "model.embed_tokens.weight":
-                vocab_size, dtype = tensor.shape[0], str(tensor.dtype).removeprefix("torch.")
-            if name != "lm_head.weight" or not config.model.share_embeddings:
-                writer.add(name, tensor)
-        for index, is_moe in enumerate(pattern):
-            writer.add_all(mapper.tensors(index, source.layer(index).tensors, is_moe))
+        counted = _write_blocks(source, folder, table, model, blocks, dtype, writer, save)
         shards = writer.finish()
-        log(f"exported {folder} as {arch}: {len(shards)} shard(s), "
+        log(f"exported {folder} as {arch}: {counted}, {len(shards)} shard(s), "
             f"{writer.total_bytes / 2**20:.1f} MiB")
         if shipped is None:
             log(f"warning: {folder} records no tokenizer: the model is written without one "
@@ -329,8 +285,6 @@ def export_hf(load, save, arch: Optional[str] = None, tokenizer=None, overwrite:
         else:
             names = write_tokenizer_files(shipped, tmp)
             log(f"tokenizer: {shipped.describe()} ({', '.join(names)})")
-        configs = exported_configs(arch, config, pattern, vocab_size, dtype, kept,
-                                   token_ids(shipped, record))
         (tmp / "config.json").write_text(json.dumps(configs.config, indent=2) + "\n")
         if configs.generation is not None:
             (tmp / "generation_config.json").write_bytes(configs.generation)

@@ -23,6 +23,9 @@ checks every entry on the installed version (CI runs it on both).
 | 0.16 only | `BlendedDataset` asks torch.distributed for the rank even without a process group | `process_group_for_dataset_build` |
 | 0.19 | TransformerLayer builds a plugin mlp with `config, pg_collection, is_mtp_layer, name` (0.16: `config` only) | handled by `MegatronMoELayer.__init__`'s signature, which takes both |
 | 0.19 | Megatron-LM's model builder calls a `--spec` object that is callable and not a ModuleSpec | handled by `megamoe.megatron.specs` (ModuleSpecs, callable as spec functions) |
+| 0.19 | the MTP loss logger keeps its per-depth sums under `loss_values` (0.16: `values`), beside acceptance counts | `take_mtp_losses`, `reset_mtp_losses` |
+| 0.19 | a multi-token-prediction depth's TransformerLayer (and the mlp it builds, told `is_mtp_layer`) is numbered k = 1..D, not num_layers + k | `global_layer_number` |
+| 0.19 | a multi-token-prediction depth holds its TransformerLayer as `mtp_model_layer` (0.16: `transformer_layer`; both save it under `transformer_layer.`) | `mtp_transformer_layer` |
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import functools
 import inspect
 import logging
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -70,6 +73,54 @@ def build_from_spec(spec: Any, **kwargs: Any) -> Any:
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
     return build_module(spec, **kwargs) if isinstance(spec, ModuleSpec) else spec(**kwargs)
+
+
+# ---- multi-token prediction ---------------------------------------------------------------
+
+def global_layer_number(layer_number: int, config: Any, is_mtp_layer: bool) -> int:
+    """The global 1-based number of a layer Megatron-Core numbers `layer_number`, MTP depths
+    after the decoder's layers (num_layers + k): 0.16 numbers depth k's layer so already, from
+    0.19 it is k and marked `is_mtp_layer` (a TransformerLayer's attribute, a keyword to the mlp
+    it builds); nothing else is renumbered."""
+    return config.num_layers + layer_number if is_mtp_layer else layer_number
+
+
+def transformer_layer_number(layer: Any) -> int:
+    """`global_layer_number` of a built TransformerLayer."""
+    return global_layer_number(layer.layer_number, layer.config,
+                               bool(getattr(layer, "is_mtp_layer", False)))
+
+
+def mtp_transformer_layer(depth: Any) -> Any:
+    """The TransformerLayer of a built MultiTokenPredictionLayer `depth`."""
+    return depth.mtp_model_layer if SINCE_0_19 else depth.transformer_layer
+
+
+def _mtp_tracker() -> dict:
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    return MTPLossLoggingHelper.tracker
+
+
+def take_mtp_losses() -> Optional[torch.Tensor]:
+    """The per-depth MTP losses Megatron-Core's GPTModel recorded on this rank since the last
+    call (each training micro-batch's mean token loss of depth k, summed over micro-batches;
+    None where it recorded none: off the last pipeline stage), on the CPU; the record is
+    zeroed for the next step."""
+    tracker = _mtp_tracker()
+    values = tracker.get("loss_values" if SINCE_0_19 else "values")
+    if values is None:
+        return None
+    taken = values.detach().float().cpu().clone()
+    for value in tracker.values():
+        if isinstance(value, torch.Tensor):
+            value.zero_()
+    return taken
+
+
+def reset_mtp_losses() -> None:
+    """Forget Megatron-Core's MTP loss record (sized for the model that made it)."""
+    _mtp_tracker().clear()
 
 
 # ---- the MoE logging tracker --------------------------------------------------------------

@@ -19,9 +19,10 @@ from typing import Any, Callable, Optional
 
 import torch.nn.functional as F
 from megatron.core.activations import squared_relu
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
 from megamoe.balancing.owner import StepOwner
-from megamoe.config import BALANCE_LOSSES, BIAS, BalancingConfig, MoEConfig
+from megamoe.config import BALANCE_LOSSES, BIAS, GATED_ACTIVATIONS, BalancingConfig, MoEConfig
 from megamoe.errors import ConfigError
 from megamoe.registry import DISPATCHERS
 from megamoe.settings import deep_merge
@@ -63,7 +64,7 @@ REFUSED: dict[str, str] = {
     "moe_paged_stash": f"megamoe does not stash expert activations; {_OFF}",
     "moe_router_force_biased": f"megamoe has no forced-bias routing; {_OFF}",
     "moe_router_quantile_balancing_ema": "megamoe has no quantile balancing; leave it unset",
-    "moe_single_grouped_bias": f"megamoe experts have no biases; {_OFF}",
+    "moe_single_grouped_bias": f"megamoe always stacks expert biases; {_OFF}",
     "moe_single_grouped_weight": f"megamoe always stacks expert weights; {_OFF}",
 }
 
@@ -89,17 +90,11 @@ def _default(field: dataclasses.Field) -> Any:
 
 def check_megatron_fields(tc: Any) -> None:
     """Raise ConfigError for the first Megatron MoE setting megamoe would otherwise drop: a
-    refused or unknown `moe_*` field away from its default, the flex dispatcher, or linear
-    biases in the experts (`add_bias_linear`)."""
+    refused or unknown `moe_*` field away from its default, or the flex dispatcher."""
     if getattr(tc, "moe_token_dispatcher_type", "alltoall") not in DISPATCHERS:
         raise ConfigError(
             f"moe_token_dispatcher_type={tc.moe_token_dispatcher_type!r} is not supported by "
             f"megamoe; use one of {list(DISPATCHERS.names())}"
-        )
-    if getattr(tc, "add_bias_linear", False):
-        raise ConfigError(
-            "add_bias_linear=True: megamoe experts have no linear biases; pass "
-            "--disable-bias-linear (add_bias_linear=False)"
         )
     fields = dataclasses.fields(tc) if dataclasses.is_dataclass(tc) else ()
     for field in fields:
@@ -188,14 +183,22 @@ def _balancing_to_megatron(methods: Any, coeffs: Any) -> dict:
             "moe_router_enable_expert_bias": settings.uses_expert_bias}
 
 
-def _activation_to_tree(function: Any, gated: bool) -> dict:
-    """experts.activation from Megatron's activation function and GLU flag."""
+def _activation_to_tree(function: Any, gated: bool, offset: float,
+                        clamp: Optional[float]) -> dict:
+    """experts.activation (and swiglu_limit) from Megatron's activation function, GLU flag, GLU
+    linear offset and clamp value. GPT-OSS's clamped SwiGLU is Megatron's gated quick_gelu with
+    offset 1 and a clamp."""
     name = getattr(function, "__name__", str(function))
     if gated:
-        if function is F.silu:
+        if function is F.silu and offset == 0.0:
             return {"experts.activation": "swiglu"}
+        if function is quick_gelu and offset == 1.0 and clamp is not None:
+            return {"experts.activation": "clamped_swiglu", "experts.swiglu_limit": clamp}
         raise ConfigError(
-            f"gated activation {name!r} is not supported; use activation_func=F.silu (swiglu)"
+            f"gated activation {name!r} with glu_linear_offset={offset}, "
+            f"activation_func_clamp_value={clamp} is not supported; use activation_func=F.silu "
+            "(swiglu) or quick_gelu with glu_linear_offset=1.0 and a clamp value "
+            "(clamped_swiglu)"
         )
     if function is F.gelu:
         return {"experts.activation": "gelu"}
@@ -206,9 +209,26 @@ def _activation_to_tree(function: Any, gated: bool) -> dict:
     )
 
 
-def _activation_to_megatron(activation: str) -> dict:
-    function = {"swiglu": F.silu, "gelu": F.gelu, "squared_relu": squared_relu}[activation]
-    return {"activation_func": function, "gated_linear_unit": activation == "swiglu"}
+def _activation_to_megatron(activation: str, limit: float) -> dict:
+    function = {"swiglu": F.silu, "clamped_swiglu": quick_gelu, "gelu": F.gelu,
+                "squared_relu": squared_relu}[activation]
+    clamped = activation == "clamped_swiglu"
+    return {"activation_func": function, "gated_linear_unit": activation in GATED_ACTIVATIONS,
+            "glu_linear_offset": 1.0 if clamped else 0.0,
+            "activation_func_clamp_value": limit if clamped else None}
+
+
+def _biases_to_tree(add_bias_linear: bool) -> dict:
+    """Megatron-Core's `add_bias_linear` gives its MoE layers' experts and router biases."""
+    return {"experts.bias": add_bias_linear, "router.bias": add_bias_linear}
+
+
+def _biases_to_megatron(experts_bias: bool, router_bias: Optional[bool]) -> dict:
+    if experts_bias != bool(router_bias):
+        raise ConfigError(f"experts.bias={experts_bias} with router.bias={router_bias}: "
+                          "Megatron-Core's add_bias_linear gives the experts and the router "
+                          "biases together; set both alike")
+    return {"add_bias_linear": experts_bias}
 
 
 LINKS: tuple[Link, ...] = (
@@ -232,8 +252,11 @@ LINKS: tuple[Link, ...] = (
     _same("moe_token_drop_policy", "dispatcher.drop_policy"),
     _same("moe_shared_expert_intermediate_size", "shared_expert.ffn_hidden_size", host=True),
     _same("moe_shared_expert_gate", "shared_expert.gate"),
-    Link(("activation_func", "gated_linear_unit"), ("experts.activation",),
+    Link(("activation_func", "gated_linear_unit", "glu_linear_offset",
+          "activation_func_clamp_value"), ("experts.activation", "experts.swiglu_limit"),
          _activation_to_tree, _activation_to_megatron),
+    Link(("add_bias_linear",), ("experts.bias", "router.bias"), _biases_to_tree,
+         _biases_to_megatron),
 )
 """The one mapping between Megatron-Core's MoE settings and the MoEConfig tree, read in both
 directions: `moe_config_from_transformer_config` (Megatron-LM's `--moe-*` flags -> MoEConfig)

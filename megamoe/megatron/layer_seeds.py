@@ -28,6 +28,7 @@ from megatron.core.models.common.embeddings.language_model_embedding import \
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker, get_cuda_rng_tracker
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megamoe.megatron.compat import transformer_layer_number
 from megamoe.megatron.seeded_init import hashed_seed
 
 MICROBATCH_KEY = "megamoe-microbatch"
@@ -44,8 +45,8 @@ class LayerSeeds:
         for chunk in chunks:
             for module in chunk.modules():
                 if isinstance(module, TransformerLayer):
-                    module.register_forward_pre_hook(functools.partial(self._enter,
-                                                                       module.layer_number))
+                    module.register_forward_pre_hook(functools.partial(
+                        self._enter, transformer_layer_number(module)))
                 elif isinstance(module, LanguageModelEmbedding):
                     module.register_forward_pre_hook(functools.partial(self._enter, 0))
 

@@ -30,6 +30,7 @@ from megamoe.balancing.owner import StepOwner
 from megamoe.config import MoEConfig
 from megamoe.errors import ConfigError
 from megamoe.layer import MoELayer
+from megamoe.megatron.compat import global_layer_number
 from megamoe.megatron.fields import check_megatron_fields, moe_config_from_transformer_config
 from megamoe.megatron.router_counts import megatron_router
 from megamoe.megatron.sharded_state import drop_extra_state_placeholders, moe_sharded_state_dict
@@ -69,6 +70,7 @@ class MegatronMoELayer(MoELayer):
         tp = pgs.tp.size() if pgs.tp is not None else 1
         self._bias_width = bias_width
         self._step_owner = owner
+        self._is_mtp_layer = is_mtp_layer
         super().__init__(cfg, ep_comm=as_comm(pgs.ep), replica_comm=as_comm(pgs.tp_dp_cp),
                          init_method=config.init_method,
                          output_init_method=config.output_layer_init_method,
@@ -87,6 +89,13 @@ class MegatronMoELayer(MoELayer):
             shared = self.shared_experts.parameters() if self.shared_experts is not None else ()
             for param in (*self.router.parameters(), *shared):
                 param.sequence_parallel = True
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """Megatron's layer number made global: a multi-token-prediction depth's layer comes
+        after the decoder's (`compat.global_layer_number`), so its metrics, seeds and tracker
+        entries are its own."""
+        super().set_layer_number(global_layer_number(layer_number, self.config,
+                                                     self._is_mtp_layer))
 
     def forward(self, hidden_SBD, padding_mask=None):
         """The MoE layer; recomputed in the backward pass under Megatron-Core's selective

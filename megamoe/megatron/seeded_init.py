@@ -20,7 +20,9 @@ grows with the tensor-parallel size, memory does not.
 
 The distributions are Megatron's own (Shoeybi et al., "Megatron-LM", arXiv 1909.08053): N(0,
 sigma) with the std of the config's `init_method` for embeddings, the output layer, QKV (and
-multi-head latent attention's down and up projections), FC1, routers and shared-expert gates;
+multi-head latent attention's down and up projections), FC1, routers, shared-expert gates,
+multi-token prediction's projections (`eh_proj`) and attention sinks (`softmax_offset`, one
+logit per head, as Megatron's `init_method` draws them);
 the std of `output_layer_init_method` (sigma / sqrt(2 L)) for the projections back into the
 residual stream (`linear_proj`, `linear_fc2`, routed and shared experts alike). Norm weights
 (MLA's latent norms among them) and biases, the expert bias included, keep their constant
@@ -44,9 +46,10 @@ BLOCK_ELEMENTS = 1 << 20
 CONSTANT_SUFFIXES = ("layernorm.weight", "layer_norm_weight", "norm.weight", ".bias", "_bias")
 OUTPUT_SUFFIXES = ("linear_proj.weight", "linear_fc2.weight")
 INPUT_SUFFIXES = ("linear_qkv.weight", "linear_fc1.weight", "router.weight", "gate_weight",
-                  "output_layer.weight", "linear_q_proj.weight", "linear_q_down_proj.weight",
-                  "linear_q_up_proj.weight", "linear_kv_down_proj.weight",
-                  "linear_kv_up_proj.weight")
+                  "output_layer.weight", "eh_proj.weight", "linear_q_proj.weight",
+                  "linear_q_down_proj.weight", "linear_q_up_proj.weight",
+                  "linear_kv_down_proj.weight", "linear_kv_up_proj.weight",
+                  "core_attention.softmax_offset")
 EMBEDDING_SUFFIXES = ("word_embeddings.weight", "position_embeddings.weight")
 
 

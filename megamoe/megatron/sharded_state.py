@@ -6,7 +6,9 @@ Sharded keys under the layer prefix P (Megatron then folds the layer index into 
 - `P router.weight` [E, D], `P router.expert_bias` [E]: replicated over TP x DP x CP.
 - `P experts.experts.linear_fc1.weight` [E, F', D] and `P experts.experts.linear_fc2.weight`
   [E, D, F]: one shard per expert on the GLOBAL expert axis (ep_rank * L + local index), so any
-  expert-parallel size can load them; replicated over the expert-data-parallel group.
+  expert-parallel size can load them; replicated over the expert-data-parallel group. With
+  expert biases, `P experts.experts.linear_fc1.bias` [E, F'] and `linear_fc2.bias` [E, D] the
+  same way (GLU fc1 bias in halves too, as Megatron's MLP saves it).
 - `P shared_experts.linear_fc1.weight`, `linear_fc2.weight`, `gate_weight`: replicated.
 - `... linear_fc{1,2}._extra_state`: the empty objects Megatron's linear layers save, so Megatron
   finds every key it asks for; megamoe drops them on load (`drop_extra_state_placeholders`).
@@ -58,17 +60,22 @@ def drop_extra_state_placeholders(module, state_dict, prefix, *args) -> None:
 
 
 def _experts(layer: Any, prefix: str, sharded_offsets: tuple, singleton: bool) -> dict:
-    """Both stacked expert weights as factories, plus Megatron's per-expert `_extra_state`."""
+    """The stacked expert weights (and biases) as factories, plus Megatron's per-expert
+    `_extra_state`."""
     L = layer.experts.num_local_experts
     first, num_global = layer.ep_comm.rank * L, layer.ep_comm.size * L
     replica_id = (0, 0, get_pg_rank(layer.pg_collection.expt_dp))
     sharded = {}
-    for name, attr, glu in (("linear_fc1", "fc1_weight", layer.cfg.experts.gated),
-                            ("linear_fc2", "fc2_weight", False)):
-        build = _expert_shards_builder(first, num_global, sharded_offsets, glu, singleton)
+    glu = layer.cfg.experts.gated
+    stacked = [("linear_fc1.weight", "fc1_weight", glu), ("linear_fc2.weight", "fc2_weight", False)]
+    if layer.experts.fc1_bias is not None:
+        stacked += [("linear_fc1.bias", "fc1_bias", glu), ("linear_fc2.bias", "fc2_bias", False)]
+    for name, attr, halves in stacked:
+        build = _expert_shards_builder(first, L, num_global, sharded_offsets, halves, singleton)
+        param = getattr(layer.experts, attr)
         sharded[f"{prefix}{attr}"] = ShardedTensorFactory(
-            f"{prefix}experts.{name}.weight", getattr(layer.experts, attr), build,
-            _stack_experts, replica_id)
+            f"{prefix}experts.{name}", param, build, _experts_merger(param.shape), replica_id)
+    for name in ("linear_fc1", "linear_fc2"):
         for g in range(first, first + L):
             key, offsets = _expert_key_and_offsets(f"{prefix}experts.{name}.{EXTRA_STATE}", g,
                                                    num_global, sharded_offsets, singleton)
@@ -87,10 +94,11 @@ def _expert_key_and_offsets(key: str, g: int, num_global: int, sharded_offsets: 
     return key, (*sharded_offsets, (len(sharded_offsets), g, num_global))
 
 
-def _expert_shards_builder(first: int, num_global: int, sharded_offsets: tuple, glu: bool,
-                           singleton: bool):
-    """build_fn of the factory of a stacked weight t_LOI: per local expert, its ShardedTensor at
-    global expert first + l, or its [gate, up] halves for GLU."""
+def _expert_shards_builder(first: int, num_local: int, num_global: int, sharded_offsets: tuple,
+                           glu: bool, singleton: bool):
+    """build_fn of the factory of a stacked weight t_LOI (or a flat bias, one expert after
+    another): per local expert, its ShardedTensor at global expert first + l, or its [gate, up]
+    halves for GLU."""
 
     @torch.no_grad()
     def build(key: str, t_LOI: torch.Tensor, replica_id: Any, flattened_range: Optional[slice]):
@@ -101,7 +109,7 @@ def _expert_shards_builder(first: int, num_global: int, sharded_offsets: tuple, 
                 "'dp_zero_gather_scatter' sharding"
             )
         shards = []
-        for local, t_OI in enumerate(t_LOI):
+        for local, t_OI in enumerate(t_LOI.view(num_local, -1, *t_LOI.shape[2:])):
             expert_key, offsets = _expert_key_and_offsets(key, first + local, num_global,
                                                           sharded_offsets, singleton)
             if glu and singleton:
@@ -122,10 +130,15 @@ def _expert_shards_builder(first: int, num_global: int, sharded_offsets: tuple, 
     return build
 
 
-@torch.no_grad()
-def _stack_experts(loaded: list[list[torch.Tensor]]) -> torch.Tensor:
-    """merge_fn: the loaded per-expert shards (GLU halves) back into the stacked [L, out, in]."""
-    return torch.stack([torch.cat(parts) for parts in loaded])
+def _experts_merger(shape: torch.Size):
+    """merge_fn: the loaded per-expert shards (GLU halves) back into the parameter's `shape`
+    (stacked [L, out, in], or a flat bias)."""
+
+    @torch.no_grad()
+    def merge(loaded: list[list[torch.Tensor]]) -> torch.Tensor:
+        return torch.stack([torch.cat(parts) for parts in loaded]).reshape(shape)
+
+    return merge
 
 
 def _shared_expert(layer: Any, prefix: str, sharded_offsets: tuple, singleton: bool,

@@ -10,6 +10,8 @@ are mapped into it once (`megamoe.megatron.fields.moe_config_from_transformer_co
   MoEConfig objects, so layers may differ in experts, top-k or router.
 - `interleaved_layer_spec(first_k_dense)`: one spec for every layer, whose layers decide dense
   or MoE when they are built (`MegaMoETransformerLayer`).
+- `mtp_block_spec(config, moe, ...)`: Megatron-Core's multi-token-prediction block on the last
+  stage, its layers of the last decoder layer's kind (megamoe layers in a MoE model).
 
 For Megatron-LM's `pretrain_gpt.py --spec megamoe.megatron.specs NAME`, `layer_spec` and
 `decoder_block_spec` work as every Megatron-LM version consumes the named object:
@@ -35,6 +37,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
+    get_gpt_mtp_block_spec,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import (
@@ -50,10 +53,13 @@ from megatron.core.utils import get_pg_rank
 from megamoe.balancing.owner import StepOwner
 from megamoe.config import MoEConfig, moe_layer_pattern
 from megamoe.errors import ConfigError
+from megamoe.megatron.compat import global_layer_number
 from megamoe.megatron.fields import moe_config_from_transformer_config
 from megamoe.megatron.latent_attention import with_latent_attention
 from megamoe.megatron.local_fallbacks import LAYER_FALLBACKS, enable_local_fallbacks
 from megamoe.megatron.moe_module import MegatronMoELayer
+from megamoe.megatron.projection_norm import with_qk_norm_scope
+from megamoe.megatron.sink_attention import with_sink_attention
 from megamoe.megatron.tracker import report_load_metrics
 
 
@@ -81,11 +87,18 @@ def _base_layer_spec(config: Any, moe: bool, use_te: bool) -> ModuleSpec:
     """Megatron's own GPT layer spec for `config`'s attention and norm settings (its MoE variant
     for MoE layers, which keeps a separate pre-MLP norm under Transformer Engine; with
     `multi_latent_attention`, its MLA layer, whose local variant gets megamoe's
-    `LatentDotProductAttention`)."""
-    return _megatron_layer_spec(moe, use_te, bool(getattr(config, "qk_layernorm", False)),
-                                bool(getattr(config, "multi_latent_attention", False)),
+    `LatentDotProductAttention`; with `qk_layernorm_scope` "projection", query and key norms
+    over whole projections, `megamoe.megatron.projection_norm`; with attention sinks
+    (`softmax_type`) or a sliding window (`window_size`), the local variant's core attention is
+    megamoe's `SinkDotProductAttention`, Transformer Engine's reads them itself)."""
+    mla = bool(getattr(config, "multi_latent_attention", False))
+    spec = _megatron_layer_spec(moe, use_te, bool(getattr(config, "qk_layernorm", False)), mla,
                                 getattr(config, "normalization", None),
                                 getattr(config, "q_lora_rank", None) is not None)
+    if not (use_te or mla) and (getattr(config, "softmax_type", "vanilla") != "vanilla"
+                                or getattr(config, "window_size", None) is not None):
+        spec = with_sink_attention(spec)
+    return with_qk_norm_scope(spec, getattr(config, "qk_layernorm_scope", "head"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,6 +152,38 @@ def gpt_decoder_block_spec(config: Any, moe: Optional[MoEConfig] = None, first_k
             "num_layers_in_first/last_pipeline_stage instead"
         )
     use_te = _uses_transformer_engine(config, use_transformer_engine)
+    specs = _all_layer_specs(config, moe, first_k_dense, layer_overrides, use_te, step_owner)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    # The MoE layer spec's pre-MLP norm is a real norm under both backends (Transformer Engine's
+    # dense spec fuses its norms into the linear layers).
+    norm = gpt_layer_spec(config, use_te).submodules.pre_mlp_layernorm
+    return TransformerBlockSubmodules(layer_specs=specs[offset:offset + count], layer_norm=norm)
+
+
+def mtp_block_spec(config: Any, moe: Optional[MoEConfig] = None,
+                   layer_overrides: Optional[dict[int, Union[MoEConfig, dict]]] = None,
+                   vp_stage: Optional[int] = None, pp_rank: Optional[int] = None,
+                   step_owner: Optional[StepOwner] = None, first_k_dense: int = 0,
+                   use_transformer_engine: Optional[bool] = None) -> Any:
+    """The multi-token-prediction block spec of this pipeline (and virtual) stage, or None
+    (no `mtp_num_layers`, or not the last stage): Megatron-Core's own MTP block
+    (`get_gpt_mtp_block_spec`; DeepSeek-V3 tech report, arXiv 2412.19437, sec. 2.2), each
+    depth's transformer layer of the last decoder layer's kind, as Megatron's MTP specs take it,
+    so a MoE model's MTP layers are megamoe layers (balanced and tracked as the decoder's, under
+    global layer numbers num_layers + k). Arguments as `gpt_decoder_block_spec`."""
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    use_te = _uses_transformer_engine(config, use_transformer_engine)
+    last = _all_layer_specs(config, moe, first_k_dense, layer_overrides, use_te, step_owner)[-1]
+    return get_gpt_mtp_block_spec(config, last, use_transformer_engine=use_te,
+                                  vp_stage=vp_stage, pp_rank=pp_rank)
+
+
+def _all_layer_specs(config: Any, moe: Optional[MoEConfig], first_k_dense: int,
+                     layer_overrides: Optional[dict[int, Union[MoEConfig, dict]]], use_te: bool,
+                     step_owner: Optional[StepOwner]) -> list[ModuleSpec]:
+    """The layer spec of every decoder layer of the model (all pipeline stages)."""
     overrides = layer_overrides or {}
     pattern = moe_layer_pattern(config, first_k_dense)
     bad = sorted(i for i in overrides if not (0 <= i < len(pattern) and pattern[i]))
@@ -151,14 +196,8 @@ def gpt_decoder_block_spec(config: Any, moe: Optional[MoEConfig] = None, first_k
     # Every bias router of the model exposes buffers of the widest router's width, so that
     # Megatron's finalize_model_grads can stack them (megamoe.megatron.router_counts).
     width = max([cfg.num_experts for cfg in layer_moe.values()], default=None)
-    specs = [gpt_layer_spec(config, use_te, layer_moe[i], width, step_owner) if is_moe else dense
-             for i, is_moe in enumerate(pattern)]
-    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    # The MoE layer spec's pre-MLP norm is a real norm under both backends (Transformer Engine's
-    # dense spec fuses its norms into the linear layers).
-    norm = gpt_layer_spec(config, use_te).submodules.pre_mlp_layernorm
-    return TransformerBlockSubmodules(layer_specs=specs[offset:offset + count], layer_norm=norm)
+    return [gpt_layer_spec(config, use_te, layer_moe[i], width, step_owner) if is_moe else dense
+            for i, is_moe in enumerate(pattern)]
 
 
 def _layer_moe(base: MoEConfig, override: Union[MoEConfig, dict, None], layer: int) -> MoEConfig:
@@ -184,7 +223,8 @@ class MegaMoETransformerLayer(TransformerLayer):
     def __init__(self, config: Any, submodules: Any = None, layer_number: int = 1,
                  first_k_dense: int = 0, **kwargs: Any):
         number = _global_layer_number(config, layer_number, kwargs)
-        is_moe = moe_layer_pattern(config, first_k_dense)[number - 1]
+        # A multi-token-prediction layer (numbered after the decoder's) is of the last kind.
+        is_moe = moe_layer_pattern(config, first_k_dense)[min(number, config.num_layers) - 1]
         use_te = _uses_transformer_engine(config, None)
         base = _base_layer_spec(config, moe=is_moe, use_te=use_te).submodules
         if is_moe:
@@ -195,9 +235,10 @@ class MegaMoETransformerLayer(TransformerLayer):
 
 
 def _global_layer_number(config: Any, layer_number: int, kwargs: dict) -> int:
-    """1-based global layer number, exactly as TransformerLayer computes `self.layer_number`."""
+    """1-based global layer number, as TransformerLayer computes `self.layer_number`, with a
+    multi-token-prediction depth k after the decoder's layers (`compat.global_layer_number`)."""
     if kwargs.get("is_mtp_layer"):
-        return config.num_layers
+        return global_layer_number(layer_number, config, True)
     if kwargs.get("add_layer_offset", True) is False:
         return layer_number
     pgs = kwargs.get("pg_collection")
@@ -256,4 +297,4 @@ block spec of that config's pipeline stage."""
 __all__ = ["MegaMoETransformerLayer", "MegatronLMBlockSpec", "MegatronLMSpec",
            "decoder_block_spec", "gpt_decoder_block_spec", "gpt_layer_spec",
            "interleaved_layer_spec", "layer_spec", "moe_layer_pattern", "moe_mlp_spec",
-           "transformer_engine_available"]
+           "mtp_block_spec", "transformer_engine_available"]

@@ -29,7 +29,8 @@ AdamW (with the reason):
 - embeddings (`nn.Embedding`, or a parameter Megatron marks `is_embedding_or_output_parameter`)
   and the output layer: Jordan et al. and Moonlight keep them on AdamW (an embedding's rows are
   independent lookups, not a linear map of its input; the head's best-known update is AdamW's).
-- vectors: norm gains and biases (no matrix to orthogonalise).
+- vectors: norm gains and biases, the experts' flat stacked biases included (no matrix to
+  orthogonalise).
 - routers (megamoe `Router`, their gate weight [E, D]): a score per expert, trained with the
   balancing losses; orthogonalising would give every expert's row an update of the same size
   whatever its gradient, as if every expert were equally loaded. Kept on AdamW, as the
@@ -102,7 +103,7 @@ def classify(model: nn.Module) -> list[tuple[str, nn.Parameter, Treatment]]:
 
 def _treatment(full: str, param: nn.Parameter, module: nn.Module, parent: nn.Module,
                local: str, name: str, in_router: bool) -> Treatment:
-    if isinstance(module, GroupedExperts):
+    if isinstance(module, GroupedExperts) and name in ("fc1_weight", "fc2_weight"):
         return Treatment("stacked expert weight",
                          Matrix(stacked=True, glu_halves=_is_glu_fc1(module, name)))
     if in_router:

@@ -120,9 +120,24 @@ def _attention(config: TrainConfig, x: Shapes) -> list[Term]:
         terms.append(Term("query-key-value projection output", T * (a + 2 * g) * d * e))
     if rope:
         terms.append(Term("RoPE cos/sin", 4 * s * d * e))
+    if m.qk_layernorm:
+        terms.append(_qk_norms(config, x, a, g, d))
     terms += _core(config, x, a)
     terms.append(Term("context (projection input)", T * a * d * e))
     return terms
+
+
+def _qk_norms(config: TrainConfig, x: Shapes, a: int, g: int, d: int) -> Term:
+    """The query and key RMSNorms of `model.qk_layernorm` over w = (a + g) d channels: per head
+    (Megatron's norm) each keeps, as any RMSNorm, its input, the normalised input with one
+    statistic per head, and its output, 3 T w + T (a + g); over the whole projections
+    (megamoe's projection norm) its input and its output, 2 T w, and 1/rms per token."""
+    T, e, w = x.tokens, x.e, (a + g) * d
+    if config.model.qk_layernorm_scope == "head":
+        return Term("QK norms per head: input, statistics, normalised input, output",
+                    3 * T * w * e + T * (a + g) * FP32)
+    return Term("QK norms over the projections: input, statistics, output",
+                2 * T * w * e + 2 * T * FP32)
 
 
 def _core(config: TrainConfig, x: Shapes, heads: int) -> list[Term]:
@@ -232,10 +247,31 @@ def output_terms(config: TrainConfig, x: Shapes) -> list[Term]:
         Term("labels, loss mask", x.s * x.b * (INDEX_BYTES + 1 + FP32))]
 
 
+def mtp_terms(config: TrainConfig, x: Shapes, moe: Optional[MoEConfig],
+              maxvio: float) -> list[Term]:
+    """One multi-token-prediction depth up to its final norm (DeepSeek-V3, arXiv 2412.19437
+    sec. 2.2; Megatron-Core's MultiTokenPredictionLayer): its two inputs (the previous depth's
+    hidden state and the embedding of the tokens shifted once more), kept by their RMSNorms;
+    the norms' statistics and outputs (their concatenation is what the 2h -> h projection
+    keeps); one transformer layer; the final norm. Its logits are `mtp_output_terms`."""
+    terms = [Term("MTP inputs: hidden state, shifted embedding", 2 * x.tokens * x.h * x.e)]
+    for name in ("MTP embedding norm", "MTP hidden-state norm"):
+        terms += _norm(config, x, x.h, name)[1:]
+    return terms + layer_terms(config, x, moe, maxvio) + _norm(config, x, x.h, "MTP final norm")
+
+
+def mtp_output_terms(config: TrainConfig, x: Shapes) -> list[Term]:
+    """One multi-token-prediction depth's loss: the cross-entropy's fp32 softmax over its
+    logits with its shifted labels and mask, and the shifted token and position ids."""
+    return output_terms(config, x)[-2:] + [
+        Term("shifted token and position ids", 2 * x.s * x.b * INDEX_BYTES)]
+
+
 def full_recompute(terms: list[Term], x: Shapes) -> tuple[list[Term], list[Term]]:
     """(kept, recomputed) under `training.recompute: full`: a layer keeps only its input (the
-    checkpoint) and the shared mask; its backward replays everything else."""
-    kept = [Term("layer input (checkpoint)", x.tokens * x.h * x.e)]
+    checkpoint: the first term, the input norm's input; a multi-token-prediction depth's two
+    inputs) and the shared mask; its backward replays everything else."""
+    kept = [Term("layer input (checkpoint)", terms[0].bytes)]
     kept += [t for t in terms if t.per_rank]
     return kept, [t for t in terms[1:] if not t.per_rank]
 

@@ -68,8 +68,9 @@ def _chunk_bytes(config: TrainConfig, chunk: ChunkShard, x: act.Shapes, maxvio: 
     """(per micro-batch, transient of recomputation, once per rank) bytes of one chunk."""
     t = config.training
     kept, transient = [], {ACTIVATIONS: 0.0, MOE: 0.0}
-    for layer in chunk.layers:
-        terms = act.layer_terms(config, x, layer.moe, maxvio)
+    layers = [act.layer_terms(config, x, layer.moe, maxvio) for layer in chunk.layers]
+    layers += [act.mtp_terms(config, x, depth.moe, maxvio) for depth in chunk.mtp]
+    for terms in layers:
         if t.recompute == "full":
             terms, replayed = act.full_recompute(terms, x)
         elif t.recompute == "selective":
@@ -81,10 +82,11 @@ def _chunk_bytes(config: TrainConfig, chunk: ChunkShard, x: act.Shapes, maxvio: 
             transient[category] = max(transient[category], value)
     if chunk.embedding:
         kept += act.embedding_terms(config, x)
-    # The loss's backward runs first and frees the output terms before any layer is replayed.
-    output = act.totals(act.output_terms(config, x) if chunk.output else [])
-    return (act.totals(kept + (act.output_terms(config, x) if chunk.output else [])),
-            {k: v - output[k] for k, v in transient.items()},
+    # The losses' backward runs first and frees the output terms before any layer is replayed.
+    losses = act.output_terms(config, x) if chunk.output else []
+    losses += [term for _ in chunk.mtp for term in act.mtp_output_terms(config, x)]
+    output = act.totals(losses)
+    return (act.totals(kept + losses), {k: v - output[k] for k, v in transient.items()},
             act.totals(kept, per_microbatch=False))
 
 
@@ -98,7 +100,7 @@ def _all_to_all_bytes(config: TrainConfig, stage: StageShard, x: act.Shapes, max
     passes = 2 + int(replayed)  # forward, backward, and the recomputed forward
     total = 0.0
     for chunk in stage.chunks:
-        for layer in chunk.layers:
+        for layer in chunk.layers + chunk.mtp:
             if layer.moe is None or layer.moe.dispatcher.kind != "alltoall":
                 continue
             sent, received = act.routed_rows(layer.moe, x.tokens, x.ep, maxvio)

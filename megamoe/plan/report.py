@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from megamoe.errors import ConfigError
+from megamoe.plan.counts import ParameterCounts
 from megamoe.plan.plan import CATEGORIES, LayoutPlan
 
 SHORT = {"parameters": "params", "gradients": "grads", "optimizer": "optim",
@@ -84,11 +85,30 @@ def ranked(plans: list[LayoutPlan], device_memory: Optional[float]) -> list[Layo
     return sorted(plans, key=key)
 
 
-def to_json(plans: list[LayoutPlan], total: int, active: int, vocab: tuple[int, str],
+def billions(value: int) -> str:
+    return f"{value / 1e9:.2f}B"
+
+
+def counts_text(counts: ParameterCounts, vocab: tuple[int, str]) -> str:
+    """The model's parameter counts for people: total (and its multi-token-prediction block),
+    and active per token with and without the embedding and output layer, the ways released
+    models' figures count them (docs/memory_planner.md)."""
+    mtp = (f" ({billions(counts.main)} + {billions(counts.mtp)} in {counts.mtp_depths} "
+           f"multi-token-prediction depth(s), {billions(counts.mtp_active)} of it active)"
+           if counts.mtp_depths else "")
+    return (f"parameters: {counts.total:,} total, {counts.active:,} active per token "
+            f"({billions(counts.total)} / {billions(counts.active)}; vocabulary {vocab[0]:,} "
+            f"from {vocab[1]}){mtp}\n"
+            f"active per token without the input embedding: "
+            f"{billions(counts.active_without_embedding)}; without embedding and output layer: "
+            f"{billions(counts.active_without_embedding_and_output)}")
+
+
+def to_json(plans: list[LayoutPlan], counts: ParameterCounts, vocab: tuple[int, str],
             device_memory: Optional[float], measured: Optional[list[dict]] = None) -> dict:
-    """The plan as plain data: `total_parameters`, `active_parameters`, then `entries`, one per
-    layout, rank and category (bytes; `measured_bytes` with --measure), and per layout its
-    ranks' totals."""
+    """The plan as plain data: `total_parameters`, `active_parameters`, `parameters` (every
+    count of `ParameterCounts.as_dict`), then `entries`, one per layout, rank and category
+    (bytes; `measured_bytes` with --measure), and per layout its ranks' totals."""
     entries, layouts = [], []
     for plan in plans:
         ranks = []
@@ -111,7 +131,8 @@ def to_json(plans: list[LayoutPlan], total: int, active: int, vocab: tuple[int, 
                         "peak_bytes": int(plan.peak),
                         "fits": device_memory is None or plan.peak <= device_memory,
                         "ranks": ranks})
-    return {"total_parameters": total, "active_parameters": active,
+    return {"total_parameters": counts.total, "active_parameters": counts.active,
+            "parameters": counts.as_dict(),
             "vocab_size": vocab[0], "vocab_source": vocab[1],
             "device_memory_bytes": device_memory, "categories": list(CATEGORIES),
             "entries": entries, "layouts": layouts}

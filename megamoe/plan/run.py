@@ -12,8 +12,10 @@ from megamoe.errors import ConfigError
 from megamoe.plan.layouts import config_layout, layouts_of_world
 from megamoe.plan.limits import check_countable
 from megamoe.plan.plan import LayoutPlan, plan_layout
-from megamoe.plan.report import layout_table, ranking_table, to_json, write_json, write_png
-from megamoe.plan.shards import model_vocab_size, parameter_counts
+from megamoe.plan.counts import parameter_counts
+from megamoe.plan.report import (counts_text, layout_table, ranking_table, to_json, write_json,
+                                 write_png)
+from megamoe.plan.shards import model_vocab_size
 from megamoe.train.config import TrainConfig
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -90,9 +92,8 @@ def main(config: TrainConfig, world: Optional[int], ranks: Optional[int],
         raise ConfigError("--measure runs the config's own layout; drop --world (or --measure)")
     check_countable(config)
     vocab = model_vocab_size(config)
-    total, active = parameter_counts(config, vocab[0])
-    print(f"parameters: {total:,} total, {active:,} active per token "
-          f"({total / 1e9:.2f}B / {active / 1e9:.2f}B; vocabulary {vocab[0]:,} from {vocab[1]})")
+    counts = parameter_counts(config, vocab[0])
+    print(counts_text(counts, vocab))
     plans = plan_config(config, world, ranks, maxvio, "cpu" if measure else "cuda")
     measured = measure_config(config, ranks, maxvio) if measure else None
     if world is None:
@@ -104,7 +105,7 @@ def main(config: TrainConfig, world: Optional[int], ranks: Optional[int],
     else:
         print(ranking_table(plans, device_memory, top))
     if json_path is not None:
-        write_json(json_path, to_json(plans, total, active, vocab, device_memory, measured))
+        write_json(json_path, to_json(plans, counts, vocab, device_memory, measured))
         print(f"JSON: {json_path}")
     if png_path is not None:
         write_png(png_path, plans, device_memory, top)

@@ -12,7 +12,6 @@ as `megamoe.megatron.runtime.setup_megatron` does for training, and the trainer'
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from megamoe.config import MoEConfig
 from megamoe.errors import ConfigError
+from megamoe.megatron.compat import mtp_transformer_layer
 from megamoe.plan.layouts import Layout
 from megamoe.plan.state import initialise_optimizer_state, model_state_bytes
 from megamoe.train.config import TrainConfig
@@ -47,6 +47,8 @@ class ChunkShard:
     embedding: bool
     output: bool
     layers: tuple[LayerShard, ...]
+    mtp: tuple[LayerShard, ...] = ()
+    """The transformer layer of each multi-token-prediction depth this chunk holds."""
 
 
 @dataclass
@@ -131,21 +133,26 @@ def fake_rank(layout: Layout, rank: int, seed: int = 1234) -> Iterator[None]:
         sys.excepthook = excepthook
 
 
-def chunk_shards(chunks: list[torch.nn.Module]) -> list[ChunkShard]:
-    """The layers of each model chunk, read from the built modules."""
+def _layer_shard(layer: torch.nn.Module) -> LayerShard:
     from megamoe.layer import MoELayer
 
+    mlp = layer.mlp
+    if isinstance(mlp, MoELayer):
+        return LayerShard(layer.layer_number, mlp.cfg, mlp.experts.num_local_experts)
+    return LayerShard(layer.layer_number, None)
+
+
+def chunk_shards(chunks: list[torch.nn.Module]) -> list[ChunkShard]:
+    """The layers of each model chunk (and of its multi-token-prediction depths), read from
+    the built modules."""
     out = []
     for chunk in chunks:
-        layers = []
-        for layer in chunk.decoder.layers:
-            mlp = layer.mlp
-            if isinstance(mlp, MoELayer):
-                layers.append(LayerShard(layer.layer_number, mlp.cfg,
-                                         mlp.experts.num_local_experts))
-            else:
-                layers.append(LayerShard(layer.layer_number, None))
-        out.append(ChunkShard(chunk.pre_process, chunk.post_process, tuple(layers)))
+        mtp = getattr(chunk, "mtp", None)
+        out.append(ChunkShard(
+            chunk.pre_process, chunk.post_process,
+            tuple(_layer_shard(layer) for layer in chunk.decoder.layers),
+            () if mtp is None else tuple(_layer_shard(mtp_transformer_layer(depth))
+                                         for depth in mtp.layers)))
     return out
 
 
@@ -180,7 +187,8 @@ def on_meta() -> Iterator[None]:
         yield
 
 
-def _meta_transformer_config(config: TrainConfig, bf16: bool):
+def meta_transformer_config(config: TrainConfig, bf16: bool):
+    """The run's TransformerConfig for a build on the meta device (no initialisation)."""
     from megamoe.train.model import transformer_config
 
     tc = transformer_config(config, on_cuda=False, bf16=bf16)
@@ -198,8 +206,10 @@ def build_stage(config: TrainConfig, layout: Layout, stage: int, bf16: bool,
     from megamoe.train.model import build_chunks
 
     with fake_rank(layout, stage * layout.ranks_per_stage, config.training.seed):
-        tc = _meta_transformer_config(config, bf16)
-        with on_meta():
+        tc = meta_transformer_config(config, bf16)
+        # cuda_as_meta: a last stage holding a copy of the embedding (multi-token prediction,
+        # tied embeddings) has Megatron move it to CUDA for its all-reduce with the first's.
+        with on_meta(), cuda_as_meta():
             chunks = build_chunks(config, tc, vocab_size)
         state = {}
         if with_state:
@@ -211,28 +221,3 @@ def build_stage(config: TrainConfig, layout: Layout, stage: int, bf16: bool,
         return StageShard(stage, chunk_shards(chunks), state,
                           sum(p.numel() for c in chunks for p in c.parameters()),
                           expert_elements(chunks))
-
-
-def parameter_counts(config: TrainConfig, vocab_size: int) -> tuple[int, int]:
-    """(total, active) parameters of the whole model, counted on the meta device at one rank.
-    Active: every parameter but the routed experts a token does not use, i.e. each MoE
-    layer's routed experts count topk / num_experts of their weights (embeddings, output layer,
-    attention, dense and shared-expert MLPs and routers count whole), as DeepSeek-V3 and
-    Mixtral report theirs."""
-    from megamoe.layer import MoELayer
-    from megamoe.train.model import build_chunks
-
-    one = dataclasses.replace(config, parallel=dataclasses.replace(
-        config.parallel, tensor=1, pipeline=1, virtual_stages=1, expert=1,
-        first_stage_layers=None, last_stage_layers=None))
-    with fake_rank(Layout(1), 0, config.training.seed):
-        tc = _meta_transformer_config(one, bf16=False)
-        with on_meta():
-            (model,) = build_chunks(one, tc, vocab_size)
-        total = sum(p.numel() for p in model.parameters())
-        inactive = 0.0
-        for module in model.modules():
-            if isinstance(module, MoELayer):
-                routed = sum(p.numel() for p in module.experts.parameters())
-                inactive += routed * (1 - module.cfg.topk / module.cfg.num_experts)
-    return total, total - round(inactive)

@@ -62,7 +62,7 @@ def in_recomputation() -> bool:
 
 
 class Router(nn.Module):
-    """Linear router with an optional loss-free balancing bias.
+    """Linear router (with a bias under `router.bias`) and an optional loss-free balancing bias.
 
     Subclasses implement `select(scores_TE, logits_TE, real_T) -> (selected_TE, gates_TE)`,
     where `scores_TE` are the router probabilities and `real_T` (bool, or None for all) marks
@@ -89,6 +89,8 @@ class Router(nn.Module):
         E = cfg.num_experts
         self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size))
         (init_method or _normal_init(cfg.init_method_std))(self.weight)
+        # router.bias (GPT-OSS): zeros, as Megatron's linear biases start.
+        self.bias = nn.Parameter(torch.zeros(E)) if cfg.router.bias else None
         if cfg.balancing.uses_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
         if cfg.balancing.uses_adaptive_aux:  # Skywork-MoE's coefficient, balancing.adaptive
@@ -108,7 +110,8 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor, padding_mask_T: Optional[torch.Tensor] = None) -> Routing:
         """Route tokens; padded tokens (padding_mask_T True) go to no expert and are not counted."""
         dtype = self.cfg.router.torch_dtype
-        logits_TE = F.linear(self.jitter(x_TD).to(dtype), self.weight.to(dtype))
+        bias = None if self.bias is None else self.bias.to(dtype)
+        logits_TE = F.linear(self.jitter(x_TD).to(dtype), self.weight.to(dtype), bias)
         if self.cfg.router.gate_logit_norm is not None:
             logits_TE = normalise_logits(logits_TE, self.cfg.router.gate_logit_norm)
         probs_TE = self.probabilities(logits_TE)

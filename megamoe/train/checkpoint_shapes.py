@@ -50,6 +50,17 @@ def check_weights_fit(common: dict, config: TrainConfig, path: Path) -> None:
                 f"checkpoint {path} holds a model with {name}={old!r} but this run's config "
                 f"says {new!r}; its weights load only into a model of the same shapes: set "
                 f"{name}={old!r} (or train without checkpoint.init_from)")
+    _check_mtp_layers(saved.model.mtp_layers, config.model.mtp_layers, path)
+
+
+def _check_mtp_layers(saved: int, wanted: int, path: Path) -> None:
+    """A run may take fewer multi-token-prediction layers than the checkpoint holds (the rest
+    are left unread, as `--drop-mtp` does), not more: nothing would start the missing ones."""
+    if wanted > saved:
+        raise CheckpointError(
+            f"checkpoint {path} holds {saved} multi-token-prediction layer(s) but this run's "
+            f"config says model.mtp_layers={wanted}; its weights cannot start the missing ones: "
+            f"set model.mtp_layers={saved} (or train without checkpoint.init_from)")
 
 
 def recorded_sections(common: dict, path: Path) -> Any:
@@ -87,6 +98,8 @@ def shape_settings(config: TrainConfig) -> list[tuple[str, Any, Any]]:
         items += [("model.num_query_groups", m.num_query_groups or heads),
                   ("model.kv_channels", m.kv_channels or m.hidden_size // heads),
                   ("model.add_qkv_bias", m.add_qkv_bias), ("model.qk_layernorm", m.qk_layernorm)]
+        if m.qk_layernorm:  # per-head or whole-projection norm weights (MiniMax-M2)
+            items.append(("model.qk_layernorm_scope", m.qk_layernorm_scope))
     items += [("model.normalization", m.normalization),
               ("model.share_embeddings", m.share_embeddings),
               ("model.position_embedding", m.position_embedding)]
@@ -118,4 +131,5 @@ def _expert_settings(config: TrainConfig, layer: int) -> list[tuple[str, Any, An
     if moe.shared_expert.ffn_hidden_size:
         settings.append(setting("shared_expert.gate"))
     settings.append(setting("experts.activation", moe.experts.gated))
+    settings += [setting("experts.bias"), setting("router.bias")]  # GPT-OSS's biases
     return settings

@@ -42,7 +42,7 @@ from megamoe.bounded import (MAX_INT_DIGITS, check_structure, load_yaml, parse_y
 from megamoe.config import MoEConfig, moe_layer_pattern
 from megamoe.errors import ConfigError
 from megamoe.settings import brief, build, coerce, dotted_keys, shown, unknown_key
-from megamoe.train.methods import training_method
+from megamoe.train.methods import PRETRAINING, training_method
 from megamoe.train.settings.checkpoint import CheckpointConfig
 from megamoe.train.settings.checks import require
 from megamoe.train.settings.data import DataConfig, split_weights
@@ -50,7 +50,7 @@ from megamoe.train.settings.evaluation import EvaluationConfig
 from megamoe.train.settings.finetune import FinetuneConfig
 from megamoe.train.settings.guards import GuardsConfig
 from megamoe.train.settings.logging import LoggingConfig
-from megamoe.train.settings.model import YARN_KEYS, ModelConfig, yarn_settings
+from megamoe.train.settings.model import YARN_FLAGS, YARN_KEYS, ModelConfig, yarn_settings
 from megamoe.train.settings.moe import (MoESection, Note, flat_path, moe_keys, nest_moe_section,
                                         read_moe_section)
 from megamoe.train.settings.optimizer import OptimizerConfig
@@ -115,7 +115,8 @@ _SECTIONS = [f.name for f in dataclasses.fields(TrainConfig)]
 def check_across(config: TrainConfig) -> None:
     """The checks that span sections (each section checks its own fields when it is built):
     what tensor ranks split, the pipeline's stages, MLA's recomputation, evaluation's split,
-    the training method's demands, the MoE layers' overrides and expert parallelism."""
+    what multi-token prediction cannot train with, the training method's demands, the MoE
+    layers' overrides and expert parallelism."""
     m, p = config.model, config.parallel
     for key, value in [("model.num_attention_heads", m.num_attention_heads),
                        ("model.num_query_groups", m.num_query_groups)]:
@@ -143,6 +144,7 @@ def check_across(config: TrainConfig) -> None:
             "model.multi_latent_attention=true; drop it")
     _check_uneven_stages(config)
     _check_evaluation(config)
+    _check_multi_token_prediction(config)
     method = training_method(config.finetune.method)
     if method is not None:
         method.check(config)
@@ -151,6 +153,22 @@ def check_across(config: TrainConfig) -> None:
                 f"0..{m.num_layers - 1}")
     for layer in [None, *config.moe.layer_overrides]:
         config.moe_config(layer).check_expert_parallel(p.expert)
+
+
+def _check_multi_token_prediction(config: TrainConfig) -> None:
+    """`model.mtp_layers` with what Megatron-Core's MTP block or megamoe cannot train with it."""
+    m, p = config.model, config.parallel
+    if not m.mtp_layers:
+        return
+    require(config.finetune.method == PRETRAINING,
+            f"model.mtp_layers={m.mtp_layers} cannot be combined with finetune.method="
+            f"{config.finetune.method}, whose model has no multi-token prediction; set "
+            "model.mtp_layers=0")
+    require(m.position_embedding != "learned_absolute" or p.pipeline == 1,
+            f"model.mtp_layers={m.mtp_layers} with model.position_embedding=learned_absolute "
+            f"at parallel.pipeline={p.pipeline}: the last stage's multi-token prediction would "
+            "train its own copy of the position embeddings; use model.position_embedding=rope "
+            "or parallel.pipeline=1")
 
 
 def _check_uneven_stages(config: TrainConfig) -> None:
@@ -198,7 +216,8 @@ def known_keys() -> list[str]:
             keys += moe_keys("moe") + ["moe.layer_overrides"]
         elif dataclasses.is_dataclass(hints[name]):
             keys += dotted_keys(hints[name], name)
-            keys += [f"model.yarn.{k}" for k in YARN_KEYS] if name == "model" else []
+            keys += [f"model.yarn.{k}" for k in (*YARN_KEYS, *YARN_FLAGS)] if name == "model" \
+                else []
         else:
             keys.append(name)
     return keys

@@ -13,7 +13,9 @@ through `get_forward_backward_func()` (no pipelining, 1F1B, or interleaved 1F1B 
 stages), whose `finalize_model_grads` finishes the gradient reduction (data-parallel
 reduce-scatter, sequence-parallel and tied-embedding all-reduces). Megatron's conventions: a
 micro-batch's loss is its mean over unmasked tokens divided by the number of micro-batches, and
-MoE balance losses are scaled alike (`MoEAuxLossAutoScaler`, set by the schedule). Every layer's
+MoE balance losses and the multi-token-prediction losses (each depth's mean over its tokens,
+times `model.mtp_loss_weight` / D) are scaled alike (`MoEAuxLossAutoScaler`,
+`MTPLossAutoScaler`, set by the schedule). Every layer's
 dropout and router jitter draw from streams of (seed, step, micro-batch, layer)
 (`megamoe.megatron.layer_seeds`), so pipeline, expert and data parallelism do not change them.
 
@@ -42,6 +44,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
+from megamoe.megatron.compat import reset_mtp_losses, take_mtp_losses
 from megamoe.megatron.cpu import cuda_as_cpu
 from megamoe.megatron.layer_seeds import LayerSeeds
 from megamoe.megatron.masks import attention_mask_for
@@ -112,6 +115,7 @@ class Engine:
         tc.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         tc.finalize_model_grads_func = finalize_model_grads
         self.forward_backward_func = get_forward_backward_func()
+        reset_mtp_losses()  # Megatron's per-depth record, sized for this model when it starts
 
     def device_context(self):
         """Where Megatron-Core's training components run: as they are on CUDA, under
@@ -140,10 +144,12 @@ class Engine:
                          ) -> torch.Tensor:
         """All micro-batches of optimizer step `step` through Megatron's schedule (gradients
         finalised).
-        Returns [sum of token losses, tokens] of this rank: zeros off the last pipeline stage and
+        Returns [sum of token losses, tokens, then per multi-token-prediction depth the sum of
+        its micro-batches' mean losses] of this rank: zeros off the last pipeline stage and
         on tensor-parallel ranks but the first (they hold the same loss), so the sum over all
-        ranks counts every token once. Every model chunk reads the step's micro-batches (a
-        pipeline stage uses what it needs: the first the tokens, the last the labels)."""
+        ranks counts every token (and micro-batch) once. Every model chunk reads the step's
+        micro-batches (a pipeline stage uses what it needs: the first the tokens, the last the
+        labels)."""
         step_batches = [next(batches) for _ in range(num_microbatches)]
         self._step, self._forwards = step, [0] * len(self.ddp)
         for ddp in self.ddp:
@@ -158,10 +164,13 @@ class Engine:
                 model=self.ddp, num_microbatches=num_microbatches,
                 seq_length=self.config.model.seq_length, micro_batch_size=t.micro_batch_size,
                 forward_only=False)
-        totals = torch.zeros(2)
+        totals = torch.zeros(2 + self.config.model.mtp_layers)
+        mtp = take_mtp_losses() if self.config.model.mtp_layers else None
         if parallel_state.get_tensor_model_parallel_rank() == 0:
             for report in reports:
-                totals += report["lm_loss"].float().cpu()
+                totals[:2] += report["lm_loss"].float().cpu()
+            if mtp is not None:
+                totals[2:] += mtp
         return totals
 
     def grad_norm(self) -> torch.Tensor:

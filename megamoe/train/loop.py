@@ -14,7 +14,8 @@ One optimizer step:
    updated at the step's rate (`balancing.bias_update_schedule`), per-layer MoE metrics (once
    per step, after the gradients are final);
 6. clipped optimizer step;
-7. metrics, then a checkpoint every `checkpoint.interval` steps, at the end, and on a signal
+7. metrics (with multi-token prediction, each depth's loss: `mtp/depth{k}/loss`), then a
+   checkpoint every `checkpoint.interval` steps, at the end, and on a signal
    (after which the run exits 0 so SLURM can requeue it).
 """
 from __future__ import annotations
@@ -254,7 +255,7 @@ def _train(run: _Run, stop: StopRequest) -> None:
         reduced = torch.tensor([*totals.tolist(), float(stop.requested), float(local_bad)],
                                device=run.device)
         dist.all_reduce(reduced)
-        loss_sum, tokens, stops, bad = reduced.tolist()
+        loss_sum, tokens, *mtp_sums, stops, bad = reduced.tolist()
         loss = loss_sum / max(tokens, 1.0)
         if guards.nonfinite and bad > 0:
             _stop_nonfinite(run, tracer, step, loss, float(grad_norm))
@@ -269,6 +270,7 @@ def _train(run: _Run, stop: StopRequest) -> None:
             continue
         spikes.accept(step, loss)
         moe_metrics = step_balancing(run.model, replica_comm, step=step)
+        moe_metrics.update(mtp_metrics(mtp_sums, config))
         moe_metrics.update(engine.step(grad_norm))
         if run.method is not None:
             moe_metrics.update(run.method.after_step(run.model))
@@ -294,6 +296,14 @@ def _train(run: _Run, stop: StopRequest) -> None:
             logger.message(f"stopping after step {step} {reason}; run the same command again "
                            "to resume")
             return
+
+
+def mtp_metrics(sums: list[float], config: TrainConfig) -> dict[str, float]:
+    """`mtp/depth{k}/loss`: depth k's multi-token-prediction loss of the step, the mean over the
+    step's micro-batches of each one's mean token loss (what Megatron-Core trains, before the
+    weight lambda / D), from the per-depth sums over all ranks (`Engine.forward_backward`)."""
+    microbatches = microbatches_per_step(config, 1)
+    return {f"mtp/depth{k}/loss": total / microbatches for k, total in enumerate(sums, start=1)}
 
 
 def _inject_faults(run: _Run, step: int, position: int) -> Iterator:

@@ -48,7 +48,8 @@ def megatron_lm_args(config: TrainConfig, state: TrainState, model: torch.nn.Mod
         # positions used are position_embedding_type's.
         add_position_embedding=True,
         position_embedding_type=m.position_embedding, rotary_base=m.rotary_base,
-        use_rotary_position_embeddings=m.position_embedding == "rope", rotary_percent=1.0,
+        use_rotary_position_embeddings=m.position_embedding == "rope",
+        rotary_percent=m.rotary_percent,
         use_rope_scaling=m.rope_scaling_factor is not None,
         rope_scaling_factor=m.rope_scaling_factor or 8.0, norm_epsilon=m.norm_epsilon,
         normalization=m.normalization, swiglu=m.swiglu,

@@ -3,10 +3,11 @@
 Every step appends one JSON object to OUTPUT_DIR/metrics.jsonl: `step`, `loss`, `lr`,
 `grad_norm`, `tokens_per_s`, `step_time_s`, `consumed_samples` and the MoE metrics of
 `megamoe.balancing.step_balancing` (`moe/layer{n}/maxvio_global`, `.../experts_per_token`,
-`.../dropped_fraction`, `.../load` as a list of per-expert fractions, ...). A resumed run appends
-to the same file, so a step may appear twice after a crash; readers keep the last record of each
-step (tools/plot_expert_load.py does). Lines with an `event` key are not step metrics but what
-happened to the run (`nonfinite`, `loss_spike`, `rollback`, see megamoe.train.guards; `setting`,
+`.../dropped_fraction`, `.../load` as a list of per-expert fractions, ...), and with
+`model.mtp_layers` each multi-token-prediction depth's loss `mtp/depth{k}/loss`. A resumed run
+appends to the same file, so a step may appear twice after a crash; readers keep the last record
+of each step (tools/plot_expert_load.py does). Lines with an `event` key are not step metrics but
+what happened to the run (`nonfinite`, `loss_spike`, `rollback`, see megamoe.train.guards; `setting`,
 a training setting changed from the checkpoint the run started from, in effect from `step`, with
 `setting`, `old` and `new`). Every `logging.interval` steps a line goes to the console
 and the scalars to TensorBoard (OUTPUT_DIR/tensorboard) and wandb (online when an API key is

@@ -10,7 +10,7 @@ per optimizer step (`StepOwner.STEP_BALANCING`), so Megatron's own expert-bias u
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -18,13 +18,18 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_config import MLATransformerConfig
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from megamoe.balancing.owner import StepOwner
 from megamoe.config import moe_layer_pattern
+from megamoe.megatron.cpu import cuda_as_cpu
 from megamoe.megatron.fields import HOST_LINKS, transformer_config_settings
 from megamoe.megatron.seeded_init import initialise_weights
-from megamoe.megatron.specs import gpt_decoder_block_spec, transformer_engine_available
+from megamoe.megatron.sink_attention import window_settings
+from megamoe.megatron.specs import (gpt_decoder_block_spec, mtp_block_spec,
+                                    transformer_engine_available)
 from megamoe.train.config import TrainConfig, yarn_settings
+from megamoe.train.settings.model import yarn_truncates
 
 
 STEP_OWNER = StepOwner.STEP_BALANCING
@@ -43,7 +48,7 @@ def transformer_config(config: TrainConfig, on_cuda: bool, bf16: bool) -> Transf
     m, p = config.model, config.parallel
     moe = config.moe_config()
     kind = MLATransformerConfig if m.multi_latent_attention else TransformerConfig
-    return kind(
+    tc = kind(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
@@ -57,14 +62,19 @@ def transformer_config(config: TrainConfig, on_cuda: bool, bf16: bool) -> Transf
         add_qkv_bias=m.add_qkv_bias,
         **latent_attention_settings(config),
         layernorm_epsilon=m.norm_epsilon,
-        # Megatron's MLP with a linear bias trips an in-place-on-view autograd error on CPU.
-        add_bias_linear=False,
+        add_bias_linear=m.add_bias_linear,
+        # GPT-OSS's attention (`megamoe.megatron.sink_attention`): sinks, sliding windows.
+        softmax_type="learnable" if m.attention_sinks else "vanilla",
+        **window_settings(m.sliding_window, m.sliding_window_layers),
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
         tensor_model_parallel_size=p.tensor,
         pipeline_model_parallel_size=p.pipeline,
         expert_model_parallel_size=p.expert,
+        # megamoe's experts are never tensor-parallel (setup_megatron's groups); Megatron checks
+        # it for expert biases.
+        expert_tensor_parallel_size=1,
         virtual_pipeline_model_parallel_size=p.virtual_stages if p.virtual_stages > 1 else None,
         num_layers_in_first_pipeline_stage=p.first_stage_layers,
         num_layers_in_last_pipeline_stage=p.last_stage_layers,
@@ -79,6 +89,9 @@ def transformer_config(config: TrainConfig, on_cuda: bool, bf16: bool) -> Transf
         # are not made of megamoe's routers, which the spec's MoEConfig objects configure.
         **transformer_config_settings(moe, STEP_OWNER, HOST_LINKS),
         moe_layer_freq=moe_layer_freq(config),
+        # Multi-token prediction (DeepSeek-V3, sec. 2.2) through Megatron-Core's own MTP block.
+        mtp_num_layers=m.mtp_layers or None,
+        mtp_loss_scaling_factor=m.mtp_loss_weight,
         use_cpu_initialization=not on_cuda,
         # What the decoder spec builds; Megatron's modules that pick their own implementation
         # (0.19's MLA latent norms) then pick the local one without Transformer Engine.
@@ -87,6 +100,12 @@ def transformer_config(config: TrainConfig, on_cuda: bool, bf16: bool) -> Transf
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
     )
+    # megamoe's own attention setting, which TransformerConfig has no field for: the specs read
+    # it from the config as they read Megatron's (`megamoe.megatron.specs._base_layer_spec`).
+    tc.qk_layernorm_scope = m.qk_layernorm_scope
+    for name, value in grouped_yarn_attributes(config).items():
+        setattr(tc, name, value)
+    return tc
 
 
 def latent_attention_settings(config: TrainConfig) -> dict:
@@ -105,6 +124,35 @@ def latent_attention_settings(config: TrainConfig) -> dict:
     return dict(q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
                 qk_head_dim=m.qk_head_dim, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim,
                 v_head_dim=m.v_head_dim, rotary_base=m.rotary_base, **rope)
+
+
+def grouped_yarn_attributes(config: TrainConfig) -> dict:
+    """The TransformerConfig attributes through which Megatron-Core's GPTModel
+    (`position_embedding_type="yarn"`) and attention read YaRN (arXiv 2309.00071) for
+    grouped-query attention (0.16.1, 0.19.2: with getattr; TransformerConfig declares none of
+    them), from `model.yarn`; none without it, or with MLA (`latent_attention_settings`).
+    The inverse frequencies are transformers' `_compute_yarn_parameters` (`truncate: false`
+    leaves the correction range unrounded), cos and sin scaled by mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim) when both are non-zero, else (Megatron's rule when they are
+    unset) by 0.1 ln(factor) + 1, as transformers does."""
+    m = config.model
+    if not m.yarn or m.multi_latent_attention:
+        return {}
+    yarn = yarn_settings(m.yarn)
+    both = bool(yarn["mscale"] and yarn["mscale_all_dim"])
+    return dict(yarn_rotary_scaling_factor=float(yarn["factor"]),
+                yarn_original_max_position_embeddings=yarn["original_max_position_embeddings"],
+                yarn_beta_fast=float(yarn["beta_fast"]), yarn_beta_slow=float(yarn["beta_slow"]),
+                yarn_mscale=float(yarn["mscale"]) if both else None,
+                yarn_mscale_all_dim=float(yarn["mscale_all_dim"]) if both else None,
+                yarn_correction_range_round_to_int=yarn_truncates(m.yarn))
+
+
+def position_embedding_type(config: TrainConfig) -> str:
+    """GPTModel's `position_embedding_type`: `model.position_embedding`, or "yarn" for
+    grouped-query attention with `model.yarn` (MLA applies its own RoPE and YaRN)."""
+    m = config.model
+    return "yarn" if m.yarn and not m.multi_latent_attention else m.position_embedding
 
 
 def _recompute_settings(config: TrainConfig) -> dict:
@@ -131,10 +179,13 @@ def moe_layer_freq(config: TrainConfig) -> int | list[int]:
     return [int(is_moe) for is_moe in moe_layer_pattern(m, m.first_k_dense)]
 
 
-def sharded_state_metadata(config: TrainConfig) -> Optional[dict]:
-    """Metadata for `GPTModel.sharded_state_dict`: per-layer keys when MoE layers differ in
-    shape (`moe.layer_overrides`), since a stacked layer axis needs equal shapes."""
-    return {"non_homogeneous_layers": True} if config.moe.layer_overrides else None
+def sharded_state_metadata(config: TrainConfig) -> dict:
+    """Metadata for `GPTModel.sharded_state_dict`: this rank's data-parallel group (a last
+    pipeline stage's copy of the embedding, kept for multi-token prediction, names it in its
+    replica id), and per-layer keys when MoE layers differ in shape (`moe.layer_overrides`),
+    since a stacked layer axis needs equal shapes."""
+    metadata = {"non_homogeneous_layers": True} if config.moe.layer_overrides else {}
+    return ensure_metadata_has_dp_cp_group(metadata)
 
 
 def build_model(config: TrainConfig, tc: TransformerConfig, vocab_size: int
@@ -142,8 +193,12 @@ def build_model(config: TrainConfig, tc: TransformerConfig, vocab_size: int
     """This pipeline rank's GPTModel chunks, one per virtual stage (`parallel.virtual_stages`):
     dense and megamoe layers as `model.first_k_dense` and `model.moe_layer_freq` say, per-layer
     MoE overrides from `moe.layer_overrides`. Their initial weights are those of
-    `training.seed` whatever the layout (`megamoe.megatron.seeded_init`)."""
-    chunks = build_chunks(config, tc, vocab_size)
+    `training.seed` whatever the layout (`megamoe.megatron.seeded_init`). On the CPU they are
+    built under `cuda_as_cpu`: a last pipeline stage holding a copy of the embedding (for
+    multi-token prediction or tied embeddings) has Megatron move it to CUDA for its all-reduce
+    with the first stage's."""
+    with contextlib.nullcontext() if not tc.use_cpu_initialization else cuda_as_cpu():
+        chunks = build_chunks(config, tc, vocab_size)
     initialise_weights(chunks, tc, config.training.seed, sharded_state_metadata(config))
     return chunks
 
@@ -162,6 +217,7 @@ def build_chunks(config: TrainConfig, tc: TransformerConfig, vocab_size: int
         spec = gpt_decoder_block_spec(tc, moe, layer_overrides=overrides,
                                       vp_stage=vp_stage, pp_rank=pp_rank, step_owner=STEP_OWNER)
         chunks.append(GPTModel(
+            mtp_block_spec=mtp_block_spec(tc, moe, overrides, vp_stage, pp_rank, STEP_OWNER),
             config=tc,
             transformer_layer_spec=spec,
             vocab_size=padded_vocab_size(vocab_size, config),
@@ -171,8 +227,9 @@ def build_chunks(config: TrainConfig, tc: TransformerConfig, vocab_size: int
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
                                                                vp_stage=vp_stage),
             share_embeddings_and_output_weights=config.model.share_embeddings,
-            position_embedding_type=config.model.position_embedding,
+            position_embedding_type=position_embedding_type(config),
             rotary_base=config.model.rotary_base,
+            rotary_percent=config.model.rotary_percent,
             rope_scaling=config.model.rope_scaling_factor is not None,
             rope_scaling_factor=config.model.rope_scaling_factor or 8.0,
             vp_stage=vp_stage,

@@ -30,8 +30,10 @@ from megatron.core import parallel_state
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megamoe.errors import ConfigError
+from megamoe.megatron.compat import transformer_layer_number
 
 
 def head_max_logits(query: torch.Tensor, key: torch.Tensor, softmax_scale: float,
@@ -137,6 +139,11 @@ class QKClip:
                               "number > 0 (Kimi K2 uses 100) or null")
         self.threshold = float(threshold)
         self.layers = attention_layers(chunks)
+        # Global layer numbers, multi-token-prediction depths after the decoder's layers (an
+        # attention module outside a TransformerLayer keeps its own).
+        self.numbers = {id(layer.self_attention): transformer_layer_number(layer)
+                        for chunk in chunks for layer in chunk.modules()
+                        if isinstance(layer, TransformerLayer)}
         for attention in self.layers:
             # MLA's q/kv layer norms act on the latents, before the per-head projections.
             if attention.config.qk_layernorm and not isinstance(attention, MLASelfAttention):
@@ -174,5 +181,5 @@ class QKClip:
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX,
                                          group=parallel_state.get_tensor_model_parallel_group())
-        return {f"attention/layer{a.layer_number}/max_logit": float(m)
+        return {f"attention/layer{self.numbers.get(id(a), a.layer_number)}/max_logit": float(m)
                 for a, m in zip(layers, maxima)}

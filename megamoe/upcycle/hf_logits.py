@@ -23,13 +23,34 @@ def sample_tokens(vocab_size: int, seq_len: int = SEQ_LEN) -> torch.Tensor:
 
 
 def load_hf_model(directory: Path):
+    """transformers' model of the Hugging Face model in `directory` (fp32, eager attention), on
+    the compute device. A model_type transformers has no class for, which megamoe's table reads
+    as another architecture (Kimi-K2's `kimi_k2`: DeepseekV3ForCausalLM, as its config.json's
+    `architectures` says), is built with that architecture's class."""
     from transformers import AutoModelForCausalLM
 
     from megamoe.upcycle.verify import compute_device
 
     return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32,
-                                                attn_implementation="eager").to(
+                                                attn_implementation="eager",
+                                                **_foreign_config(Path(directory))).to(
                                                     compute_device()).eval()
+
+
+def _foreign_config(directory: Path) -> dict:
+    """{"config": ...} for a model_type transformers lacks (see load_hf_model), else {}."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from megamoe.checkpointing.hf import architecture
+    from megamoe.checkpointing.hf_arch import CONFIG_FILE, read_config_json
+
+    config = read_config_json(directory)
+    if config.get("model_type") in CONFIG_MAPPING:
+        return {}
+    model_class = getattr(transformers, architecture(config, directory / CONFIG_FILE).hf_class)
+    fields = {key: value for key, value in config.items() if key not in ("model_type", "auto_map")}
+    return {"config": model_class.config_class.from_dict(fields)}
 
 
 def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -51,8 +72,11 @@ def megamoe_logits(checkpoint_dir: Path, sections: dict, tokens: torch.Tensor,
     from megamoe.train.model import build_model, transformer_config
     from megamoe.upcycle.verify import compute_device, gpt_logits
 
-    model_section = {**sections["model"], "seq_length": max(tokens.shape[1],
-                                                             sections["model"].get("seq_length", 1))}
+    # Without multi-token prediction: its layers change no logit (DeepSeek-V3, sec. 2.2: dropped
+    # at inference), and Megatron-Core's GPTModel computes their loss on every forward, which
+    # needs labels; the checkpoint's MTP tensors are left unread.
+    model_section = {**sections["model"], "mtp_layers": 0,
+                     "seq_length": max(tokens.shape[1], sections["model"].get("seq_length", 1))}
     config = config_from_dict({"model": model_section, "moe": sections["moe"],
                                "parallel": {"expert": expert_parallel}})
     own_state = not parallel_state.model_parallel_is_initialized()
@@ -68,9 +92,14 @@ def megamoe_logits(checkpoint_dir: Path, sections: dict, tokens: torch.Tensor,
             teardown_megatron()
 
 
-def hf_vs_megamoe(hf_dir: Path, checkpoint_dir: Path, sections: dict) -> float:
-    """max |HF logits - megamoe logits| over SEQUENCES random sequences of SEQ_LEN tokens."""
-    hf = load_hf_model(hf_dir)
+def hf_vs_megamoe(hf_dir: Path, checkpoint_dir: Path, sections: dict, weights=None) -> float:
+    """max |HF logits - megamoe logits| over SEQUENCES random sequences of SEQ_LEN tokens.
+    `weights`: the import's WeightsReader (megamoe.checkpointing.quantized), whose tensors
+    transformers then runs on (a quantised release dequantised, or cast to the import's dtype)."""
+    from megamoe.checkpointing.quantized import unquantized_model
+
+    with unquantized_model(Path(hf_dir), weights) as directory:
+        hf = load_hf_model(directory)
     tokens = sample_tokens(hf.config.vocab_size)
     reference = hf_logits(hf, tokens)
     del hf

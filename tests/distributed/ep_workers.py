@@ -44,6 +44,8 @@ LAYER_CASES = {
                                 balancing={"methods": "seq_aux_loss"}),
     "uneven_and_empty_rank": dict(),
     "zero_tokens_to_last_rank": dict(),
+    "gpt_oss_biases_clamped_swiglu": dict(router={"bias": True}, topk=3, experts={
+        "activation": "clamped_swiglu", "swiglu_limit": 0.5, "bias": True}),
 }
 
 
@@ -76,6 +78,10 @@ def _layer_case(case: str, dispatcher: str, ep_comm, replica_comm) -> dict:
     with torch.no_grad():
         if cfg.balancing.uses_expert_bias:
             reference.router.expert_bias.copy_(torch.randn(cfg.num_experts, generator=gen) * 0.1)
+        for bias in (reference.router.bias, reference.experts.fc1_bias,
+                     reference.experts.fc2_bias):
+            if bias is not None:
+                bias.copy_(torch.randn(bias.shape, generator=gen) * 0.3)
         if case == "zero_tokens_to_last_rank":
             x = x.abs()  # positive inputs, so negative router rows lose every token
             reference.router.weight[-L:] = -1.0
@@ -109,6 +115,13 @@ def _layer_case(case: str, dispatcher: str, ep_comm, replica_comm) -> dict:
         "fc1_grad": (replica.experts.fc1_weight.grad, reference.experts.fc1_weight.grad[experts]),
         "fc2_grad": (replica.experts.fc2_weight.grad, reference.experts.fc2_weight.grad[experts]),
     }
+    if reference.router.bias is not None:
+        pairs["router_bias_grad"] = (summed(replica.router.bias.grad), reference.router.bias.grad)
+    if reference.experts.fc1_bias is not None:
+        for name in ("fc1_bias", "fc2_bias"):
+            pairs[f"{name}_grad"] = (getattr(replica.experts, name).grad,
+                                     getattr(reference.experts, name).grad.view(
+                                         cfg.num_experts, -1)[experts].reshape(-1))
     if reference.shared_experts is not None:
         pairs["shared_fc1_grad"] = (summed(replica.shared_experts.linear_fc1.weight.grad),
                                     reference.shared_experts.linear_fc1.weight.grad)

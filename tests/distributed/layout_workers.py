@@ -1,12 +1,14 @@
 """Per-rank jobs of the parallel-layout tests (run through `megamoe.parallel.spawn`).
 
 Every job trains the same tiny GPT-MoE (layer 0 dense, layers 1-3 MoE with a shared expert,
-loss-free bias plus aux and z losses; its MLA variant with latent attention) through the real
+loss-free bias plus aux and z losses; its MLA variant with latent attention, its MTP variant
+with multi-token prediction) through the real
 trainer (`megamoe.train.loop`) at one or more parallel layouts, one after the other in the same
 processes (megatron.core is imported once per process). Every run starts from the seed alone (no `checkpoint.init_from`): the initial
 weights are layout-invariant, so a layout changes nothing but how the work is split.
 
-A run's result: the per-step losses and gradient norms of metrics.jsonl, the held-out
+A run's result: the per-step losses (and multi-token-prediction losses, None without MTP) and
+gradient norms of metrics.jsonl, the held-out
 evaluation of its last step (layouts without pipelining: loss and routing at inference), and
 every rank's
 expert biases ("layer N", global and 1-based -> tensor) at the end. Its checkpoints (at the end, and at RESUME_AT for
@@ -24,7 +26,7 @@ import torch.distributed as dist
 
 STEPS = 4
 RESUME_AT = 2  # the runs that resumes start from checkpoint here; every run at its end
-RESUME_SOURCES = ("tp2_sp", "pp2", "dp2_ep2", "tp2_pp2_ep2", "vocab_tp1")
+RESUME_SOURCES = ("tp2_sp", "pp2", "dp2_ep2", "tp2_pp2_ep2", "vocab_tp1", "mtp_pp2")
 # A vocabulary padded differently at TP1 and TP2 (Megatron-Core pads it to a multiple of
 # make_vocab_size_divisible_by x the tensor-parallel size): the 512 tokens take 528 rows at TP1
 # and 576 at TP2.
@@ -79,6 +81,15 @@ MLA_LAYOUTS = {  # name -> (processes, parallel section, training section)
                                                         "recompute_modules": ["mla_up_proj"]}),
     "mla_pp2": (2, {"pipeline": 2}, {}),
     "mla_dp2_ep2": (2, {"expert": 2}, {}),
+}
+# The multi-token-prediction variant (DeepSeek-V3, arXiv 2412.19437, sec. 2.2): one depth, a
+# megamoe layer (global layer 5) on the last pipeline stage, RoPE (the last stage's copy of the
+# embedding is then the whole input side it needs), trained from its own one-process reference.
+MTP = {"model": {"mtp_layers": 1, "mtp_loss_weight": 0.3, "position_embedding": "rope"}}
+MTP_LAYOUTS = {  # name -> (processes, parallel section, training section)
+    "mtp_tp2_sp": (2, {"tensor": 2}, {}),
+    "mtp_pp2": (2, {"pipeline": 2}, {}),
+    "mtp_dp2_ep2": (2, {"expert": 2}, {}),
 }
 RECOMPUTE = {"recompute_full": {"recompute": "full"},
              "recompute_selective_mlp": {"recompute": "selective",
@@ -147,6 +158,7 @@ def train(raw: dict, snapshot: str = None) -> dict:
         steps = [r for r in records if "loss" in r and "event" not in r]
         result.update(steps=[r["step"] for r in steps], losses=[r["loss"] for r in steps],
                       grad_norms=[r["grad_norm"] for r in steps],
+                      mtp_losses=[r.get("mtp/depth1/loss") for r in steps],
                       heldout={k: v for k, v in steps[-1].items() if k.startswith("heldout")})
     return result
 

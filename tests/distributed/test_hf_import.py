@@ -17,11 +17,13 @@ import pytest
 pytest.importorskip("transformers")
 import hf_import_workers  # noqa: E402
 from megamoe.parallel.spawn import spawn_ranks as spawn  # noqa: E402
-from hf_models import MOE_ARCHS, save_tiny_hf_model  # noqa: E402
+from hf_models import MOE_ARCHS, save_tiny_hf_model, saved_tensors  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 BAR = 1e-4
 TRAIN_STEPS = 3
+CORRECTION_BIAS_ARCHS = ("deepseek_v3", "glm4_moe", "minimax_m2")
+"""The architectures whose checkpoints hold a routing correction bias (e_score_correction_bias)."""
 TRAIN_CONFIG = "train_config.yaml"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "special_tokens_map.json")
@@ -52,15 +54,6 @@ def assert_is_the_source_model(hf: Path, out: Path) -> None:
     assert exported_ids == source_ids
     assert AutoTokenizer.from_pretrained(out)(TEXT).input_ids == \
         AutoTokenizer.from_pretrained(hf)(TEXT).input_ids
-
-
-def _tensors(directory: Path) -> dict:
-    from safetensors.torch import load_file
-
-    out = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(str(path)))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +112,9 @@ def test_expert_parallel_logits_match_transformers(imported, expert_parallel, ar
 def test_trained_at_ep2_exports_what_transformers_reproduces(imported, expert_parallel, arch,
                                                              tmp_path):
     """Trained at EP=2 from the import, exported back: transformers' logits equal megamoe's
-    (export's --verify), training moved them, and DeepSeek-V3's correction bias kept training
-    from its imported values (the loss-free rule moves each entry by 1e-3 a step)."""
+    (export's --verify), training moved them, and the correction bias of DeepSeek-V3, GLM-4.5
+    and MiniMax-M2 kept training from its imported values (the loss-free rule moves each entry
+    by 1e-3 a step)."""
     from megamoe.interop.hf_export import export_hf
     from megamoe.upcycle.hf_logits import hf_logits, load_hf_model, sample_tokens
 
@@ -136,9 +130,9 @@ def test_trained_at_ep2_exports_what_transformers_reproduces(imported, expert_pa
     moved = hf_logits(load_hf_model(tmp_path / "back"), tokens) - hf_logits(load_hf_model(hf),
                                                                          tokens)
     assert float(moved.abs().max()) > 1e-3
-    original, trained = _tensors(hf), _tensors(tmp_path / "back")
+    original, trained = saved_tensors(hf), saved_tensors(tmp_path / "back")
     biases = [name for name in original if name.endswith("e_score_correction_bias")]
-    assert bool(biases) == (arch == "deepseek_v3")
+    assert bool(biases) == (arch in CORRECTION_BIAS_ARCHS)
     for name in biases:
         step = (trained[name] - original[name]).abs()
         assert float(step.max()) <= TRAIN_STEPS * 1e-3 + 1e-6 and float(step.min()) > 0, name
@@ -155,7 +149,7 @@ def test_round_trip_without_training_is_the_source_model(imported, arch, tmp_pat
     hf, folder, _ = imported[arch]
     result = export_hf(folder, tmp_path / "back", log=lambda line: None)
     assert result.arch == arch
-    original, back = _tensors(hf), _tensors(tmp_path / "back")
+    original, back = saved_tensors(hf), saved_tensors(tmp_path / "back")
     assert sorted(original) == sorted(back)
     changed = [name for name in original if not torch.equal(original[name], back[name])]
     assert not changed, changed[:3]
@@ -194,6 +188,8 @@ def test_refusals_are_one_line_and_leave_nothing(tmp_path):
         "sliding_window": ("mixtral", {"sliding_window": 16}),
         "n_group": ("deepseek_v3", {"n_group": 3}),
         "attention_bias": ("qwen3_moe", {"attention_bias": True}),
+        "partial_rotary_factor": ("glm4_moe", {"partial_rotary_factor": 0.3}),  # 9 channels
+        "qk_norm_type": ("minimax_m2", {"qk_norm_type": "per_head"}),
     }
     for field, (arch, overrides) in cases.items():
         hf = save_tiny_hf_model(arch, tmp_path / field, **overrides)
@@ -242,7 +238,7 @@ def test_deepseek_routing_and_dense_layers_read_as_transformers_runs_them(tmp_pa
     """Groups scored by their top 2 whatever the top-k (8 groups of 2, 2 chosen, top-2: not
     Megatron's topk/groups_per_token = 1); first_k_dense_replace=0 means every layer MoE, and
     every layer dense is refused."""
-    from megamoe.checkpointing.hf_moe_arch import read_hf_moe_model
+    from megamoe.checkpointing.hf import read_hf_moe_model
     from megamoe.errors import CheckpointError
 
     model = read_hf_moe_model(_deepseek_config(tmp_path / "a", n_routed_experts=16, n_group=8,

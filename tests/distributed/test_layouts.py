@@ -9,7 +9,9 @@ new layout, and TP 1->2->1 with a vocabulary padded differently at each size (th
 carried bit for bit, padding rows added or dropped). Full and selective activation recomputation
 give the same gradients (norms), weights and biases (each token counted once). The model's MLA
 variant (multi-head latent attention) trains at TP2+SP (its up projections recomputed), PP2 and
-DP2xEP2 as its own one-process reference does.
+DP2xEP2 as its own one-process reference does; so does its MTP variant (multi-token prediction,
+one depth with a megamoe layer on the last pipeline stage), its per-depth loss included, and its
+PP2 checkpoint resumes at one process.
 
 Spawns, in order (each imports megatron.core once and runs several layouts): one process
 (references, recompute runs, the vocabulary's TP1 run), two (five layouts, first resume legs,
@@ -80,6 +82,7 @@ def world1a(data, root):
     """The single-process reference; full and selective recompute; dropout on."""
     runs = [{"name": "reference", "raw": _raw(data, root, "reference", {})},
             {"name": "mla_reference", "raw": _raw(data, root, "mla_reference", {}, None, lw.MLA)},
+            {"name": "mtp_reference", "raw": _raw(data, root, "mtp_reference", {}, None, lw.MTP)},
             ] + [{"name": name, "raw": _raw(data, root, name, {}, settings)}
                  for name, settings in lw.RECOMPUTE.items()] + _layout_runs(data, root, 1) + [
         {"name": "vocab_tp1", "raw": _raw(data, root, "vocab_tp1", {}, None, lw.VOCAB)}]
@@ -88,11 +91,12 @@ def world1a(data, root):
 
 def _layout_runs(data, root, world):
     """The layouts of `world` processes, then those with dropout and router jitter on, then
-    the MLA variant's."""
+    the MLA and MTP variants'."""
     return [{"name": name, "raw": _raw(data, root, name, parallel)}
             for name, (procs, parallel) in lw.LAYOUTS.items() if procs == world] + [
         {"name": name, "raw": _raw(data, root, name, parallel, training, sections)}
-        for variants, sections in [(lw.RANDOM_LAYOUTS, lw.RANDOM), (lw.MLA_LAYOUTS, lw.MLA)]
+        for variants, sections in [(lw.RANDOM_LAYOUTS, lw.RANDOM), (lw.MLA_LAYOUTS, lw.MLA),
+                                   (lw.MTP_LAYOUTS, lw.MTP)]
         for name, (procs, parallel, training) in variants.items() if procs == world]
 
 
@@ -133,12 +137,17 @@ def world1b(world4, data, root):
         {"name": "vocab_back_tp1", "raw": _raw(data, root, "vocab_back_tp1", {}, None, lw.VOCAB),
          "resume_from": (str(root / "vocab_tp2"), VOCAB_HOP),
          "snapshot": str(root / "vocab_back_tp1" / "loaded")},
+        {"name": "resume_mtp_pp2_to_1", "raw": _raw(data, root, "resume_mtp_pp2_to_1", {}, None,
+                                                    lw.MTP),
+         "resume_from": (str(root / "mtp_pp2"), lw.RESUME_AT)},
     ]
     groups = [(_raw(data, root, "reference", {}),
                ["reference", *lw.RECOMPUTE, *lw.LAYOUTS, "resume_ep2_to_ep4",
                 "resume_tp2_to_tp1", "resume_mixed_to_1"]),
               (_raw(data, root, "mla_reference", {}, None, lw.MLA),
-               ["mla_reference", *lw.MLA_LAYOUTS])]
+               ["mla_reference", *lw.MLA_LAYOUTS]),
+              (_raw(data, root, "mtp_reference", {}, None, lw.MTP),
+               ["mtp_reference", *lw.MTP_LAYOUTS, "resume_mtp_pp2_to_1"])]
     compare = [{name: (reference, str(root / name / "checkpoints")) for name in names}
                for reference, names in groups]
     vocab_loads = {"vocab_tp2_at_tp1": (_raw(data, root, "vocab_tp1", {}, None, lw.VOCAB),
@@ -177,6 +186,12 @@ def everything(world1a, world2a, world4, world1b, world2b):
     return world1a, world2a, world4, world1b, world2b
 
 
+def _moe_layers(name: str) -> list[int]:
+    """The global numbers of the MoE layers of run `name`'s model: layers 2-4, and 5 (the
+    multi-token-prediction depth) in the MTP variant."""
+    return [2, 3, 4] + ([5] if name in lw.MTP_LAYOUTS or name.startswith("mtp_") else [])
+
+
 def _check_biases_replicated(ranks, name):
     """Every rank holding a layer's router has the same expert bias."""
     seen: dict[str, torch.Tensor] = {}
@@ -186,13 +201,15 @@ def _check_biases_replicated(ranks, name):
                 torch.testing.assert_close(bias, seen[layer], rtol=0, atol=0,
                                            msg=lambda m: f"{name} rank {rank} {layer}: {m}")
             seen[layer] = bias
-    assert sorted(seen) == ["layer 2", "layer 3", "layer 4"], f"{name}: {sorted(seen)}"
+    assert sorted(seen) == [f"layer {n}" for n in _moe_layers(name)], f"{name}: {sorted(seen)}"
 
 
-@pytest.mark.parametrize("name", [*lw.LAYOUTS, *lw.RECOMPUTE, *lw.MLA_LAYOUTS])
+@pytest.mark.parametrize("name", [*lw.LAYOUTS, *lw.RECOMPUTE, *lw.MLA_LAYOUTS,
+                                  *lw.MTP_LAYOUTS])
 def test_layout_trains_as_one_process(everything, name):
     world1a, *_ = everything
-    reference = world1a[0]["mla_reference" if name in lw.MLA_LAYOUTS else "reference"]
+    reference = world1a[0]["mla_reference" if name in lw.MLA_LAYOUTS else
+                           "mtp_reference" if name in lw.MTP_LAYOUTS else "reference"]
     ranks = _result(name, *everything)
     got = ranks[0][name]
     assert got["steps"] == list(range(1, lw.STEPS + 1))
@@ -205,6 +222,10 @@ def test_layout_trains_as_one_process(everything, name):
     assert reference["losses"][-1] < reference["losses"][0]  # the model learns
     assert loss_diff <= TOL, (got["losses"], reference["losses"])
     assert norm_diff <= TOL, (got["grad_norms"], reference["grad_norms"])
+    if name in lw.MTP_LAYOUTS:  # the depth's own loss, logged per step, as one process's
+        assert all(loss is not None for loss in reference["mtp_losses"])
+        assert _max_diff(got["mtp_losses"], reference["mtp_losses"]) <= TOL
+        assert any(k.startswith("mtp.layers.0.") for k in weight_diffs)
     worst = max(weight_diffs, key=weight_diffs.get)
     assert weight_diff <= TOL, f"{worst}: {weight_diff}"
     assert any(k.endswith("expert_bias") for k in weight_diffs)
@@ -216,12 +237,12 @@ def _check_heldout(got: dict, reference: dict, name: str) -> None:
     """The end-of-run held-out evaluation (eval mode, on the CPU collectives of the layout) as
     one process's: the loss, and each MoE layer's experts per token; pipelined layouts do not
     evaluate, sequence-parallel ones cannot pair a token's routing with its loss."""
-    parallel = {**lw.LAYOUTS, **lw.MLA_LAYOUTS}.get(name, (1, {}))[1]
+    parallel = {**lw.LAYOUTS, **lw.MLA_LAYOUTS, **lw.MTP_LAYOUTS}.get(name, (1, {}))[1]
     if parallel.get("pipeline", 1) > 1:
         assert got == {}, name
         return
     routing = {k for k in reference if k.endswith("/experts_per_token")}
-    assert len(routing) == 3, sorted(reference)  # layers 2-4
+    assert len(routing) == len(_moe_layers(name)), sorted(reference)  # layers 2-4 (and 5)
     assert abs(got["heldout_loss"] - reference["heldout_loss"]) <= TOL
     assert {k: got[k] for k in routing} == {k: reference[k] for k in routing}
     assert ("heldout/layer2/loss_by_experts" in got) == (parallel.get("tensor", 1) == 1)
@@ -257,6 +278,7 @@ RESUMES = {  # name: (uninterrupted run at the new layout, first and last resume
     "resume_pp1_to_pp2": ("pp2", FIRST + 1, lw.STEPS),
     "resume_ep2_to_ep4": ("dp4_ep4", FIRST, lw.STEPS),
     "resume_mixed_to_1": ("reference", FIRST, lw.STEPS),
+    "resume_mtp_pp2_to_1": ("mtp_reference", FIRST, lw.STEPS),
 }
 
 

@@ -1,7 +1,8 @@
 """The memory planner's predictions against what training really holds (`--measure`):
 per rank and category within 15%, for the two-process layouts of test_layouts.py (TP2 with
 sequence parallelism, PP2, interleaved and uneven PP2, EP2xTP2, DP2xEP2), full recomputation,
-the MLA variant, and a router forced to imbalance (MaxVio 1 and 3), where the plan is the
+the MLA variant, multi-token prediction at PP2, QK norms per head (TP2) and over the
+projections (PP2), and a router forced to imbalance (MaxVio 1 and 3), where the plan is the
 busiest rank's bound: the busiest rank within 15%, every other at most that.
 
 One spawn of two CPU processes measures every case (`megamoe.plan.measure.measure`); the
@@ -24,6 +25,12 @@ CASES = {  # name -> (parallel, training, sections, MaxVio)
        if procs == 2},
     "dp2_ep2_recompute_full": ({"expert": 2}, lw.RECOMPUTE["recompute_full"], {}, 0.0),
     "mla_pp2": ({"pipeline": 2}, {}, lw.MLA, 0.0),
+    # the last stage holds the multi-token-prediction depth and a copy of the embedding
+    "mtp_pp2": ({"pipeline": 2}, {}, {"model": {"mtp_layers": 1, "position_embedding": "rope"}},
+                0.0),
+    "qk_norm_tp2_sp": ({"tensor": 2}, {}, {"model": {"qk_layernorm": True}}, 0.0),
+    "qk_projection_norm_pp2": ({"pipeline": 2}, {}, {"model": {
+        "qk_layernorm": True, "qk_layernorm_scope": "projection"}}, 0.0),
     "dp2_ep2_maxvio1": ({"expert": 2}, {}, {}, 1.0),
     "dp2_ep2_e8_maxvio3": ({"expert": 2}, {}, {"moe": {"num_experts": 8}}, 3.0),
 }

@@ -27,11 +27,16 @@ def test_every_shipped_config_loads_and_round_trips(path):
 
 def _flat_form(moe: dict) -> dict:
     """The `moe` section of a shipped config written as configs were before the tree: every
-    setting of a section under its old flat name (`router: {kind: topk}` -> `router_type`)."""
+    setting of a section under its old flat name (`router: {kind: topk}` -> `router_type`);
+    settings newer than the tree, which never had a flat name (`router.bias`), stay nested."""
     old_name = {new: old for old, new in FLAT_NAMES.items()}
     flat = {key: value for key, value in moe.items() if not isinstance(value, dict)}
     for section, values in ((k, v) for k, v in moe.items() if isinstance(v, dict)):
-        flat.update({old_name[f"{section}.{name}"]: value for name, value in values.items()})
+        for name, value in values.items():
+            if f"{section}.{name}" in old_name:
+                flat[old_name[f"{section}.{name}"]] = value
+            else:
+                flat.setdefault(section, {})[name] = value
     return flat
 
 
@@ -185,8 +190,21 @@ def test_tokenizer_model_is_read_as_tokenizer(tmp_path):
     ({"yarn": {"factr": 4}}, {}, "model.yarn has unknown key 'factr'; did you mean 'factor'?"),
     ({"yarn": {"beta_fast": 8}}, {}, "model.yarn needs a factor"),
     ({"yarn": {"factor": 0.5}}, {}, "model.yarn.factor=0.5 must be >= 1"),
-    ({"multi_latent_attention": False, "yarn": {"factor": 4}}, {},
-     "set model.multi_latent_attention=true"),
+    ({"yarn": {"factor": 4, "truncate": False}}, {},
+     "model.yarn.truncate=false cannot be combined with model.multi_latent_attention"),
+    ({"attention_sinks": True}, {},
+     "model.attention_sinks=True cannot be combined with model.multi_latent_attention"),
+    ({"multi_latent_attention": False, "yarn": {"factor": 4}, "rope_scaling_factor": 8.0}, {},
+     "model.rope_scaling_factor=8.0 (Llama 3's scaling) cannot be combined with model.yarn"),
+    ({"multi_latent_attention": False, "yarn": {"factor": 4, "truncate": "no"}}, {},
+     "model.yarn.truncate='no' must be true or false"),
+    ({"multi_latent_attention": False, "sliding_window": 0}, {},
+     "model.sliding_window=0 must be a whole number >= 1 or null"),
+    ({"multi_latent_attention": False, "sliding_window": 8, "sliding_window_layers": [1, 2]},
+     {}, "model.sliding_window_layers=[1, 2] must list 0 or 1 for each of the "
+     "model.num_layers=4 layers"),
+    ({"multi_latent_attention": False, "sliding_window_layers": [1, 0, 1, 0]}, {},
+     "needs model.sliding_window"),
     ({"multi_latent_attention": False},
      {"training": {"recompute": "selective", "recompute_modules": ["mla_up_proj"]}},
      "'mla_up_proj', which needs model.multi_latent_attention=true"),
@@ -211,6 +229,10 @@ def test_yarn_overrides_reach_its_keys():
     config = config_from_dict(apply_overrides(raw, ["model.yarn.factor=40",
                                                     "model.yarn.mscale_all_dim=1"]))
     assert config.model.yarn == {"factor": 40, "mscale_all_dim": 1}
+    grouped = config_from_dict(apply_overrides(  # GPT-OSS's, for grouped-query attention
+        {**raw, "model": {"position_embedding": "rope"}},
+        ["model.yarn.factor=32", "model.yarn.truncate=false"]))
+    assert grouped.model.yarn == {"factor": 32, "truncate": False}
 
 
 def test_simoe_overrides_reach_its_fields_and_a_typo_is_named():

@@ -158,7 +158,7 @@ def test_what_the_import_dropped_is_the_one_change_named(tmp_path):
     from transformers import AutoConfig
 
     from hf_models import ARCHS, BASE
-    from megamoe.checkpointing.hf_moe_arch import read_hf_moe_model
+    from megamoe.checkpointing.hf import read_hf_moe_model
     from megamoe.interop.hf_config import exported_configs
 
     kept = tmp_path / "hf_source"

@@ -164,6 +164,37 @@ def test_te_general_gemm_mla_flag_and_legacy_grouped_mlp():
     assert bool(compat.legacy_grouped_gemm_kwargs(True)) == compat.HAS_LEGACY_GROUPED_MLP
 
 
+def test_mtp_layer_numbers_and_loss_record_are_as_the_entries_say(megatron):
+    """Megatron's own GPT with one MTP depth (its own specs): depth 1's TransformerLayer is
+    numbered 1 and marked `is_mtp_layer` from 0.19, num_layers + 1 before; the per-depth loss
+    record is `loss_values` from 0.19, `values` before, and `take_mtp_losses` empties it."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megamoe.megatron.cpu import cuda_as_cpu
+    from megamoe.megatron.masks import causal_attention_mask
+    from tiny_models import build_gpt, tiny_transformer_config
+
+    config = tiny_transformer_config(num_layers=2, mtp_num_layers=1)
+    spec = get_gpt_layer_local_spec()
+    model = build_gpt(config, spec, 32, 8, mtp_block_spec=get_gpt_mtp_block_spec(
+        config, spec, use_transformer_engine=False))
+    (layer,) = [m for m in model.mtp.modules() if isinstance(m, TransformerLayer)]
+    assert layer.layer_number == (1 if compat.SINCE_0_19 else 3)
+    assert getattr(layer, "is_mtp_layer", False) == compat.SINCE_0_19
+    assert compat.transformer_layer_number(layer) == 3
+    assert compat.mtp_transformer_layer(model.mtp.layers[0]) is layer
+    compat.reset_mtp_losses()
+    tokens = torch.arange(16).reshape(2, 8)
+    with cuda_as_cpu():
+        model(tokens, torch.arange(8).expand(2, -1), causal_attention_mask(8), labels=tokens)
+    record = MTPLossLoggingHelper.tracker["loss_values" if compat.SINCE_0_19 else "values"]
+    assert record.shape == (1,) and float(record[0]) > 0
+    taken = compat.take_mtp_losses()
+    assert taken.shape == (1,) and float(taken[0]) > 0 and float(record[0]) == 0
+
+
 def test_a_dataset_build_without_a_process_group_has_a_world_of_one():
     import torch.distributed as dist
 

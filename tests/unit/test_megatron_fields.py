@@ -3,6 +3,7 @@ import dataclasses
 
 import pytest
 import torch
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.transformer import TransformerConfig
 
 from megamoe import ConfigError, MoEConfig
@@ -59,7 +60,8 @@ def test_unknown_field_from_a_newer_megatron_is_refused_unless_default():
 
 @pytest.mark.parametrize("changes, message", [
     (dict(moe_token_dispatcher_type="flex"), "moe_token_dispatcher_type='flex' is not supported"),
-    (dict(add_bias_linear=True), "add_bias_linear=True: megamoe experts have no linear biases"),
+    (dict(activation_func=quick_gelu, gated_linear_unit=True, glu_linear_offset=1.0),
+     "gated activation 'quick_gelu' with glu_linear_offset=1.0, activation_func_clamp_value=None"),
     (dict(moe_router_load_balancing_type="sinkhorn"), "'sinkhorn' is not supported by megamoe"),
 ])
 def test_other_refusals(changes, message):
@@ -131,6 +133,8 @@ ROUND_TRIPS = {
                                shared_expert={"ffn_hidden_size": 8, "gate": True}),
     "squared_relu_no_balancing": tree(balancing={"methods": "none"},
                                       experts={"activation": "squared_relu"}),
+    "gpt_oss": tree(topk=4, router={"bias": True},
+                    experts={"activation": "clamped_swiglu", "swiglu_limit": 5.0, "bias": True}),
 }
 
 

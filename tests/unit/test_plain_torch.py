@@ -118,7 +118,7 @@ def test_layer_config_names_come_from_the_registries():
 
     assert set(ROUTERS.names()) == {"topk", "top_p", "threshold", "sinkhorn", "base"}
     assert set(DISPATCHERS.names()) == {"alltoall", "allgather"}
-    assert set(ACTIVATIONS.names()) == {"swiglu", "gelu", "squared_relu"}
+    assert set(ACTIVATIONS.names()) == {"swiglu", "clamped_swiglu", "gelu", "squared_relu"}
     base = dict(hidden_size=8, num_experts=4, ffn_hidden_size=8)
     for section, field, registry in (("router", "kind", ROUTERS),
                                      ("dispatcher", "kind", DISPATCHERS),

@@ -5,6 +5,7 @@ pipeline schedule's in-flight micro-batches, the forced routing of --measure, th
 schema, and the CLI's one-line errors (exit code 2, no output file)."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -15,40 +16,149 @@ from tool_modules import tool_module
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _attention(h, heads, groups, d, qkv_bias=False, o_bias=False, sinks=False, qk_norm=None):
+    """Grouped-query attention by hand: q/k/v/o projections, their biases, one sink logit per
+    head, QK RMSNorms over each head (`head`) or over the whole q and k projections
+    (`projection`), and the layer's input norm."""
+    return (2 * h * heads * d + 2 * h * groups * d + h
+            + (heads * d + 2 * groups * d if qkv_bias else 0) + (h if o_bias else 0)
+            + (heads if sinks else 0)
+            + {None: 0, "head": 2 * d, "projection": (heads + groups) * d}[qk_norm])
+
+
+def _mtp_depth(h, layer):
+    """One multi-token-prediction depth (DeepSeek-V3, arXiv 2412.19437 sec. 2.2): the two input
+    RMSNorms, the 2h x h projection, one transformer layer, the final RMSNorm."""
+    return 2 * h + 2 * h * h + layer + h
+
+
 def _deepseek_v3(vocab=129_280, h=7168, layers=61, dense=3, dense_ffn=18_432, experts=256,
                  ffn=2048, shared=2048, topk=8, heads=128, q_lora=1536, kv_lora=512,
-                 qk=128, rope=64, v=128):
-    """DeepSeek-V3 (arXiv 2412.19437, without multi-token prediction) by hand."""
+                 qk=128, rope=64, v=128, mtp=1):
+    """DeepSeek-V3 (arXiv 2412.19437) by hand, its multi-token-prediction depth (a MoE layer)
+    in the total; active without it."""
     attention = (h * q_lora + q_lora + q_lora * heads * (qk + rope) + h * (kv_lora + rope)
                  + kv_lora + kv_lora * heads * (qk + v) + heads * v * h)
     expert = 3 * h * ffn
     moe = experts * expert + 3 * h * shared + experts * h
-    total = 2 * vocab * h + layers * (attention + 2 * h) + dense * 3 * h * dense_ffn \
+    main = 2 * vocab * h + layers * (attention + 2 * h) + dense * 3 * h * dense_ffn \
         + (layers - dense) * moe + h
-    return total, total - (layers - dense) * (experts - topk) * expert
+    return (main + mtp * _mtp_depth(h, attention + 2 * h + moe),
+            main - (layers - dense) * (experts - topk) * expert)
 
 
 def _mixtral(vocab=32_000, h=4096, layers=32, heads=32, groups=8, d=128, experts=8,
              ffn=14_336, topk=2):
     """Mixtral 8x7B (arXiv 2401.04088) by hand."""
-    attention = 2 * h * heads * d + 2 * h * groups * d
     expert = 3 * h * ffn
-    total = 2 * vocab * h + layers * (attention + 2 * h + experts * expert + experts * h) + h
+    total = 2 * vocab * h + layers * (_attention(h, heads, groups, d) + h + experts * expert
+                                      + experts * h) + h
     return total, total - layers * (experts - topk) * expert
 
 
-@pytest.mark.parametrize("name, hand, published", [
-    ("deepseek_v3", _deepseek_v3, (671e9, 37e9)),
-    ("mixtral_8x7b", _mixtral, (46.7e9, 12.9e9))])
-def test_recipe_counts(name, hand, published):
-    from megamoe.plan.shards import model_vocab_size, parameter_counts
+def _glm4_5(vocab=151_552, h=5120, layers=92, dense=3, dense_ffn=12_288, experts=160,
+            ffn=1536, topk=8, heads=96, groups=8, d=128, mtp=1):
+    """GLM-4.5 (arXiv 2508.06471; its config.json) by hand: q/k/v biases, per-head QK norms, a
+    shared expert, one multi-token-prediction depth (a MoE layer); active without it."""
+    attention = _attention(h, heads, groups, d, qkv_bias=True, qk_norm="head") + h
+    expert = 3 * h * ffn
+    moe = attention + experts * expert + expert + experts * h
+    main = 2 * vocab * h + dense * (attention + 3 * h * dense_ffn) + (layers - dense) * moe + h
+    return main + mtp * _mtp_depth(h, moe), main - (layers - dense) * (experts - topk) * expert
+
+
+def _gpt_oss(vocab=201_088, h=2880, layers=36, heads=64, groups=8, d=64, experts=128,
+             ffn=2880, topk=4):
+    """GPT-OSS-120b (its model card, arXiv 2508.10925; config.json) by hand: biases on q/k/v/o,
+    a sink logit per head, experts with biases on gate_up and down, a router with a bias."""
+    attention = _attention(h, heads, groups, d, qkv_bias=True, o_bias=True, sinks=True) + h
+    expert = 3 * h * ffn + 2 * ffn + h
+    total = 2 * vocab * h + layers * (attention + experts * expert + experts * h + experts) + h
+    return total, total - layers * (experts - topk) * expert
+
+
+@functools.lru_cache(maxsize=None)
+def _compared(name):
+    """The planner's counts of a released model (`megamoe.plan.published`), built once."""
+    from megamoe.plan.published import RELEASES, compare
+
+    (release,) = [r for r in RELEASES if r.name == name]
+    return compare(release, REPO / "configs")
+
+
+@pytest.mark.parametrize("release, hand", [
+    ("DeepSeek-V3", _deepseek_v3), ("Mixtral 8x7B", _mixtral), ("GLM-4.5", _glm4_5),
+    ("GPT-OSS-120b", _gpt_oss)])
+def test_recipe_counts(release, hand):
+    """Each shipped recipe's total (multi-token prediction included) and active count (all but
+    the routed experts a token skips) equal the architecture's parameters by hand."""
+    counts = _compared(release).counts
+    assert (counts.total, counts.active) == hand()
+
+
+RELEASE_NAMES = ["DeepSeek-V3", "DeepSeek-V3 as released", "Kimi-K2", "GLM-4.5", "GLM-4.5-Air",
+                 "MiniMax-M2", "GPT-OSS-120b", "GPT-OSS-20b", "Mixtral 8x7B"]
+
+
+@pytest.mark.parametrize("name", RELEASE_NAMES)
+def test_published_counts(name):
+    """The planner counts each released model's structure within 2 % of its published total
+    and active count, counting the parts each figure counts (docs/memory_planner.md)."""
+    compared = _compared(name)
+    assert abs(compared.total_error) < 0.02 and abs(compared.active_error) < 0.02, (
+        compared.total, compared.release.total, compared.active, compared.release.active)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--model", "GPT-5"], "--model 'GPT-5' is not a released model here"),
+    (["--tolerance", "2"], "--tolerance 2.0 must be in (0, 1)")])
+def test_bench_parameter_counts_errors(capsys, argv, expected):
+    from megamoe.errors import run_cli
+
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(tool_module("bench_parameter_counts").main, argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err.startswith("error: ") and expected in err
+    assert "\n" not in err
+
+
+TINY_GPT_OSS = ["model.first_k_dense=0", "model.add_qkv_bias=true", "model.add_bias_linear=true",
+                "model.attention_sinks=true", "model.sliding_window=8",
+                "model.sliding_window_layers=[1,0,1,0]", "model.qk_layernorm=true",
+                "model.qk_layernorm_scope=projection", "moe.router.bias=true",
+                "moe.experts.bias=true", "moe.experts.activation=clamped_swiglu"]
+TINY_GLM = ["model.mtp_layers=2", "model.share_embeddings=true", "model.qk_layernorm=true",
+            "moe.shared_expert.ffn_hidden_size=64"]
+
+
+@pytest.mark.parametrize("overrides", [TINY_GPT_OSS, TINY_GLM], ids=["gpt_oss", "glm_mtp"])
+def test_counts_by_part(overrides):
+    """Embedding, output layer, multi-token-prediction depths and the routed experts a token
+    skips, counted on the tiny config's build, against the architecture by hand (4 layers,
+    h 128, 4 heads of 32, 2 key-value groups, 8 experts of 128, top-2, vocabulary 1024)."""
+    from megamoe.plan.counts import ParameterCounts, parameter_counts
     from megamoe.train.config import load_config
 
-    config = load_config(REPO / "configs" / f"{name}.yaml")
-    vocab = model_vocab_size(config)
-    total, active = parameter_counts(config, vocab[0])
-    assert (total, active) == hand()
-    assert abs(total / published[0] - 1) < 0.02 and abs(active / published[1] - 1) < 0.02
+    config = load_config(REPO / "configs/tiny_cpu.yaml", ["parallel.expert=1", *overrides])
+    counts = parameter_counts(config, 1024)
+    h, E, k, V = 128, 8, 2, 1024
+    if overrides is TINY_GPT_OSS:
+        attention = _attention(h, 4, 2, 32, True, True, True, "projection") + h
+        expert = 3 * h * 128 + 2 * 128 + h
+        layer = attention + E * expert + E * h + E
+        assert counts == ParameterCounts(total=2 * V * h + 4 * layer + h, embedding=V * h,
+                                         output=V * h, mtp=0, mtp_depths=0,
+                                         inactive=4 * (E - k) * expert, mtp_inactive=0)
+        return
+    attention = _attention(h, 4, 2, 32, qk_norm="head") + h
+    expert = 3 * h * 128
+    moe = attention + E * expert + 3 * h * 64 + E * h
+    main = V * h + (attention + 3 * h * 512) + 3 * moe + h
+    assert counts == ParameterCounts(total=main + 2 * _mtp_depth(h, moe), embedding=V * h,
+                                     output=0, mtp=2 * _mtp_depth(h, moe), mtp_depths=2,
+                                     inactive=3 * (E - k) * expert,
+                                     mtp_inactive=2 * (E - k) * expert)
+    assert counts.with_mtp_copies == counts.total + 2 * V * h
 
 
 def test_stage_state_bytes_by_hand():

@@ -53,10 +53,11 @@ def test_each_section_refuses_its_own_bad_values_where_it_is_built(make, message
 
 
 def test_model_settings_have_the_roles_the_issue_gives_them():
-    """Dropout and the initialisation's std train the model; everything else defines it."""
+    """Dropout, the initialisation's std and the MTP loss weight train the model; everything
+    else defines it."""
     roles = setting_roles(ModelConfig())
     assert {name for name, role in roles.items() if role == TRAINING} == \
-        {"hidden_dropout", "attention_dropout", "init_method_std"}
+        {"hidden_dropout", "attention_dropout", "init_method_std", "mtp_loss_weight"}
     assert len(roles) == len(ModelConfig.__dataclass_fields__)
 
 

@@ -32,7 +32,7 @@ from megamoe.checkpointing.hf.mtp import mtp_blocks, mtp_depths
 from megamoe.checkpointing.hf_arch import CONFIG_FILE, read_config_json
 from megamoe.checkpointing.hf_moe_arch import HFMoEModel
 from megamoe.checkpointing.hf_source import none_bytes
-from megamoe.checkpointing.quantized import SAVED_DTYPES, open_weights
+from megamoe.checkpointing.quantized import open_weights
 from megamoe.checkpointing.sharded_keys import (KeyLayout, ObjectItem, TensorChunk,
                                                 object_key)
 from megamoe.errors import CheckpointError
@@ -140,8 +140,7 @@ class HFMoESource:
         model's."""
         if rule.dtype or self.cast:
             return rule.dtype or self.dtype
-        saved = {SAVED_DTYPES.get(self.reader.raw.dtypes.get(block.hf_prefix + name))
-                 for name in rule.hf}
+        saved = {self.reader.stored_dtype(block.hf_prefix + name) for name in rule.hf}
         return saved.pop() if len(saved) == 1 and None not in saved else self.dtype
 
     def _convert(self, block: Block, rule: Rule) -> torch.Tensor:

@@ -154,6 +154,10 @@ class WeightsReader:
         """Tensors an import holds in a dtype of their own, not `dtype` (set by the importer,
         e.g. DeepSeek-V3's fp32 correction biases): `write_unquantized` writes them so."""
 
+    def stored_dtype(self, name: str) -> Optional[torch.dtype]:
+        """The floating dtype tensor `name` is saved in; None for a quantised (packed) one."""
+        return SAVED_DTYPES.get(self.raw.dtypes.get(name))
+
     def _saved_dtype(self) -> torch.dtype:
         """The dtype holding most elements among the unquantised tensors (a release's
         embeddings and output layer), bf16 (fp8_cast_bf16's) when there are none."""

@@ -12,10 +12,11 @@ from megamoe.ownership import check_folder_output, replace_folder
 
 
 @contextlib.contextmanager
-def atomic_directory(target: str | os.PathLike, *, owner: str,
-                     overwrite: bool = False) -> Iterator[Path]:
+def atomic_directory(target: str | os.PathLike, *, owner: str, overwrite: bool = False,
+                     outside_mark: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling directory that is renamed to `target` only on success, marked
-    as the tool `owner`'s (megamoe.ownership).
+    as the tool `owner`'s (megamoe.ownership; with `outside_mark`, beside `target` instead of
+    inside it: an output that must hold only its own files).
 
     `target` may exist only when `overwrite` is set and it is empty or marked by `owner`; on any
     exception the temporary directory is removed and `target` is left untouched.
@@ -29,7 +30,7 @@ def atomic_directory(target: str | os.PathLike, *, owner: str,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     try:
-        replace_folder(tmp, target, owner, "output path")
+        replace_folder(tmp, target, owner, "output path", outside=outside_mark)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,7 +1,7 @@
 """Reading untrusted text formats (YAML configs, JSON headers and configs, JSON lines) in bounded
 time and memory, with one-line errors.
 
-The formats set no limits of their own, so these do (README, "Reliability"):
+The formats set no limits of their own, so these do (docs/reliability.md):
 - a file is read only when `os.stat` says it is a regular file of at most `max_bytes`
   (`regular_file_size`, `read_bytes_bounded`, `read_bounded`), a line up to `max_line_bytes`
   and no further (`bounded_lines`);

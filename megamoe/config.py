@@ -11,7 +11,10 @@
         shared_expert: SharedExpertConfig
 
 Every field declares whether it defines the model or how it is trained (`megamoe.settings`),
-which is what a resumed run may change. Each section validates itself in `__post_init__`; a check
+which is what a resumed run may change. Each section validates itself in `__post_init__`, first
+holding its fields to their types as a YAML config is (`megamoe.settings.check_fields`: a tree
+made in Python may give a section as a mapping of its settings, and `balancing` as a method name
+or list of them, see `MoEConfig`); a check
 that needs the rest of the layer (top-k against the experts, a router that balances by
 construction) is the section's `check_in(moe)`, which `MoEConfig.__post_init__` calls, so the
 layer never names a router kind. `MoEConfig.from_dict` builds the tree from plain data
@@ -24,14 +27,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, ClassVar, Optional, Union
 
 import torch
 
 from megamoe.errors import ConfigError
 from megamoe.registry import ACTIVATIONS, DISPATCHERS, ROUTERS
-from megamoe.settings import (build, check_choice, deep_merge, model_setting, resolve_kind,
-                              section, training_setting)
+from megamoe.settings import (build, check_choice, check_fields, deep_merge, model_setting,
+                              resolve_kind, section, training_setting)
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 BIAS = "bias"
@@ -79,6 +82,7 @@ class RouterConfig:
     Transformer, arXiv 2101.03961; Megatron's `moe_input_jitter_eps`). None disables it."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "router")
         resolve_kind(self, ROUTERS)
         _check_finite(self, "router")
         check_choice("router.score_function", self.score_function, SCORE_FUNCTIONS)
@@ -161,6 +165,7 @@ class BalancingConfig:
     """ERC loss: alpha of the hinges max(M[i, j] - alpha M[i, i], 0) (and the transposed one)."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "balancing")
         _check_finite(self, "balancing")
         kinds = self.kinds
         for kind in kinds:
@@ -193,6 +198,20 @@ class BalancingConfig:
             raise ConfigError(f"balancing.erc_noise={self.erc_noise} is outside [0, 1); use "
                               "e.g. 0.1")
         self._check_schedule()
+
+    SHORTHAND: ClassVar[str] = "a method name or a list of them (balancing.methods)"
+
+    @classmethod
+    def from_shorthand(cls, value: Any) -> Optional["BalancingConfig"]:
+        """`balancing=["bias", "aux_loss"]` (or one name, `balancing="bias"`) for
+        `BalancingConfig(methods=...)`, the other settings at their defaults; None when `value`
+        is no such name or list (`megamoe.settings.read_section`)."""
+        if isinstance(value, str):
+            return cls(methods=value)
+        if (isinstance(value, (list, tuple)) and value
+                and all(isinstance(name, str) for name in value)):
+            return cls(methods=list(value))
+        return None
 
     def _check_schedule(self) -> None:
         # Lists, not tuples, so the config dumps as plain YAML.
@@ -259,6 +278,7 @@ class DispatcherConfig:
     """Which tokens an over-full expert keeps: highest gate (`probs`) or earliest (`position`)."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "dispatcher")
         resolve_kind(self, DISPATCHERS)
         _check_finite(self, "dispatcher")
         check_choice("dispatcher.drop_policy", self.drop_policy, DROP_POLICIES)
@@ -288,6 +308,7 @@ class ExpertsConfig:
     Megatron-Core's experts under `add_bias_linear`)."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "experts")
         _check_finite(self, "experts")
         check_choice("experts.activation", self.activation, ACTIVATIONS.names())
         if self.swiglu_limit <= 0:
@@ -311,6 +332,7 @@ class SharedExpertConfig:
     """Scale the shared expert's output by sigmoid(x . w_gate) (Qwen2-MoE)."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "shared_expert")
         if self.ffn_hidden_size is not None and self.ffn_hidden_size <= 0:
             raise ConfigError(f"shared_expert.ffn_hidden_size={self.ffn_hidden_size} must be "
                               "> 0; use None for no shared expert")
@@ -321,7 +343,22 @@ class SharedExpertConfig:
 
 @dataclass
 class MoEConfig:
-    """Every setting of a megamoe layer (see the module docstring for the tree)."""
+    """Every setting of a megamoe layer (see the module docstring for the tree).
+
+    Made in Python, each setting is held to the type a YAML config is
+    (`megamoe.settings.check_fields`): `topk="2"`, `topk=True` or a list where a number belongs
+    is a ConfigError naming the setting (an int where a float belongs is fine). Each section
+    (`router`, `balancing`, `dispatcher`, `experts`, `shared_expert`) takes its settings object
+    (`BalancingConfig(methods=["bias"], bias_update_rate=1e-2)`, `ThresholdRouterConfig()`), or
+    a mapping of its settings read as a config file's (`router={"kind": "threshold",
+    "ema_decay": 0.9}`); anything else, such as `router="topk"`, is refused. `balancing` also
+    takes the shorthand of a method name or a list of them, read as `balancing.methods` with the
+    other balancing settings at their defaults:
+
+        MoEConfig(hidden_size=512, num_experts=8, ffn_hidden_size=1024, topk=2,
+                  balancing=["bias", "aux_loss"])
+        # == ... balancing=BalancingConfig(methods=["bias", "aux_loss"])
+    """
 
     hidden_size: int = model_setting()
     """Model hidden size H (the layer's input and output width)."""
@@ -345,6 +382,7 @@ class MoEConfig:
     shared_expert: SharedExpertConfig = section(SharedExpertConfig)
 
     def __post_init__(self) -> None:
+        check_fields(self)
         for name in ("hidden_size", "num_experts", "ffn_hidden_size", "topk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

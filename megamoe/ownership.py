@@ -1,7 +1,9 @@
 """Which outputs a tool may write over: its own, and nothing else.
 
 A tool that writes a folder marks it as its own with a file `MARK` holding the tool's name, and
-replaces or deletes a folder only when it is absent, empty or carries that mark; any other
+replaces or deletes a folder only when it is absent, empty or carries that mark; an output that
+must hold only its own files (a Hugging Face model folder, uploaded to the Hub as it is) carries
+the same mark beside it instead, as `.<folder name>.megamoe-owner` in its parent. Any other
 folder (a user's, the project's docs/, another tool's output, a folder written before marks
 existed) is refused in one line and left as it was. A file output may replace a file, never a
 folder or a device. No output may be, contain or lie inside one of the tool's inputs
@@ -30,10 +32,20 @@ MARK = ".megamoe-owner"
 _MARK_BYTES = 256  # a tool's name; a longer file is not a mark
 
 
+def outside_mark(folder: str | os.PathLike) -> Path:
+    """Where the mark of a folder that holds only its own files lies: `.<name>.megamoe-owner`
+    in its parent."""
+    path = Path(folder).expanduser().resolve()
+    return path.parent / f".{path.name}{MARK}"
+
+
 def owner(folder: str | os.PathLike) -> Optional[str]:
-    """The tool named by `folder`'s mark, or None: no mark, or one that is not a small regular
-    file (a link or a device is never a mark)."""
-    path = Path(folder) / MARK
+    """The tool named by `folder`'s mark (inside it, else beside it), or None: no mark, or one
+    that is not a small regular file (a link or a device is never a mark)."""
+    return _read_mark(Path(folder) / MARK) or _read_mark(outside_mark(folder))
+
+
+def _read_mark(path: Path) -> Optional[str]:
     try:
         info = os.lstat(path)
         if not stat.S_ISREG(info.st_mode) or info.st_size > _MARK_BYTES:
@@ -98,9 +110,20 @@ def check_file_output(path: str | os.PathLike, flag: str,
     return target
 
 
-def mark(folder: str | os.PathLike, tool: str) -> None:
-    """Write `folder`'s mark naming `tool`."""
-    (Path(folder) / MARK).write_text(tool + "\n")
+def mark(folder: str | os.PathLike, tool: str, outside: bool = False) -> None:
+    """Write `folder`'s mark naming `tool`: inside it, or with `outside` (an output that must
+    hold only its own files) beside it, replaced atomically (`outside_mark`)."""
+    if not outside:
+        (Path(folder) / MARK).write_text(tool + "\n")
+        return
+    path = outside_mark(folder)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(tool + "\n")
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
 
 
 def claim_folder(folder: str | os.PathLike, tool: str, flag: str,
@@ -126,22 +149,27 @@ def fresh_folder(folder: str | os.PathLike, tool: str, flag: str) -> Path:
 
 
 def replace_folder(tmp: str | os.PathLike, target: str | os.PathLike, tool: str,
-                   flag: str) -> None:
+                   flag: str, outside: bool = False) -> None:
     """Mark the finished folder `tmp` as `tool`'s and rename it to `target`; an existing
     `target` must be empty or `tool`'s (checked again here) and is removed only after the
-    rename, so `target` is always whole."""
+    rename, so `target` is always whole. With `outside` the mark is written beside `target`
+    once it is in place: a failure between leaves it unmarked (refused later), never a mark
+    without its folder."""
     tmp, target = Path(tmp), Path(target)
-    mark(tmp, tool)
-    if not target.exists():
+    if not outside:
+        mark(tmp, tool)
+    if target.exists():
+        check_folder_output(target, tool, flag)
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+        try:
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.replace(old, target)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
         os.replace(tmp, target)
-        return
-    check_folder_output(target, tool, flag)
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    os.replace(target, old)
-    try:
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.replace(old, target)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+    if outside:
+        mark(target, tool, outside=True)

@@ -12,13 +12,22 @@ config), each field declaring whether it defines the model or only how it is tra
   coerced to the annotated types (YAML 1.1 reads `3e-4` as a string), an unknown key is a
   one-line error with the closest known key, and each dataclass validates itself in
   `__post_init__`.
+- `check_fields(settings, prefix)`: the same types for a tree made in Python, called first in
+  each settings dataclass's `__post_init__`: a leaf of the wrong type (`topk="2"`, `topk=True`,
+  a list where a number belongs) is a one-line error naming the field and the type; an int
+  where a float belongs is read as that float. A section takes an instance of its class, a
+  mapping of its settings (read by `build`, as a YAML document is) or the section's shorthand
+  (`from_shorthand`, e.g. `balancing=["bias", "aux_loss"]`), and nothing else
+  (`read_section`, which `build` uses for its sections too).
 - `setting_roles`, `flat_values`, `deep_merge`: what resume checks and layer overrides use.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
+import os
 import reprlib
 import typing
 from dataclasses import MISSING, field
@@ -130,22 +139,25 @@ def _type_name(kind: Any) -> str:
     return getattr(kind, "__name__", None) or str(kind).replace("typing.", "")
 
 
-def coerce(value: Any, kind: Any, key: str) -> Any:
+def coerce(value: Any, kind: Any, key: str, text_numbers: bool = True) -> Any:
     """`value` as type `kind` (int, float, bool, str, Optional, Union, list, tuple, dict), or
-    raise a ConfigError naming `key`."""
+    raise a ConfigError naming `key`. `text_numbers`: a string reads as a float (plain data:
+    YAML 1.1 reads `3e-4` as a string); off for values given in Python, where a string is not a
+    number (and a path is read as a str)."""
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin is Union:
         if value is None and type(None) in args:
             return None
         for option in (a for a in args if a is not type(None)):
             try:
-                return coerce(value, option, key)
+                return coerce(value, option, key, text_numbers)
             except _WrongType:
                 continue  # a value of the right type but out of range is refused as it is
     elif origin is list and isinstance(value, (list, tuple)):
-        return [coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+        return [coerce(v, args[0], f"{key}[{i}]", text_numbers) for i, v in enumerate(value)]
     elif origin is tuple and isinstance(value, (list, tuple)) and len(value) == len(args):
-        return tuple(coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        return tuple(coerce(v, a, f"{key}[{i}]", text_numbers)
+                     for i, (v, a) in enumerate(zip(value, args)))
     elif origin is dict or kind is dict:
         if isinstance(value, dict):
             return dict(value)
@@ -162,7 +174,7 @@ def coerce(value: Any, kind: Any, key: str) -> Any:
         number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             number = float(value) if abs(value) <= MAX_INT or isinstance(value, float) else None
-        elif isinstance(value, str):  # YAML 1.1 reads `3e-4` as a string
+        elif isinstance(value, str) and text_numbers:  # YAML 1.1 reads `3e-4` as a string
             try:
                 number = float(value)
             except ValueError:
@@ -175,6 +187,9 @@ def coerce(value: Any, kind: Any, key: str) -> Any:
     elif kind is str:
         if isinstance(value, str):
             return value
+        path = os.fspath(value) if isinstance(value, os.PathLike) and not text_numbers else None
+        if isinstance(path, str):
+            return path
     raise _WrongType(f"{key}={brief(value)} is not a valid {_type_name(kind)}")
 
 
@@ -233,9 +248,7 @@ def build(kind: type, raw: Any, prefix: str, where: str = "in the config",
                                        [f"{prefix}.{name}" for name in fields])
         declared = hints[key]
         if dataclasses.is_dataclass(declared):
-            section_class = _section_class(fields[key], declared, value, f"{prefix}.{key}")
-            values[key] = build(section_class, value, f"{prefix}.{key}", where,
-                                fields[key].metadata.get(KINDS))
+            values[key] = read_section(fields[key], declared, value, f"{prefix}.{key}", where)
         else:
             values[key] = coerce(value, declared, f"{prefix}.{key}")
     for name, settings_field in fields.items():
@@ -243,6 +256,75 @@ def build(kind: type, raw: Any, prefix: str, where: str = "in the config",
                 and settings_field.default_factory is MISSING):
             raise ConfigError(f"{prefix}.{name} is missing {where}; it has no default")
     return kind(**values)
+
+
+def read_section(settings_field: dataclasses.Field, declared: type, value: Any, key: str,
+                 where: str) -> Any:
+    """The value of section `key` (declared class `declared`) given as `value`: an instance of
+    that class as it is, a mapping of its settings built by `build` (its class chosen by its
+    `kind` when the section is polymorphic), or the section class's shorthand
+    (`from_shorthand(value)`, described by its `SHORTHAND`); anything else is a one-line
+    ConfigError naming `key` and the forms it takes."""
+    if isinstance(value, declared):
+        return value
+    registry = settings_field.metadata.get(KINDS)
+    if isinstance(value, dict):
+        return build(_section_class(settings_field, declared, value, key), value, key, where,
+                     registry)
+    from_shorthand = getattr(declared, "from_shorthand", None)
+    section_value = from_shorthand(value) if from_shorthand is not None else None
+    if section_value is not None:
+        return section_value
+    shorthand = getattr(declared, "SHORTHAND", None)
+    article = "an" if declared.__name__[0] in "AEIOU" else "a"
+    forms = (f"a mapping of its settings{', ' + shorthand if shorthand else ''} or "
+             f"{article} {declared.__name__} object")
+    hint = ""
+    if registry is not None and isinstance(value, str) and value in registry:
+        hint = (f"; for {registry.field} {value!r} pass {{'kind': {value!r}}} or "
+                f"{registry.config_class(value).__name__}()")
+    given = "None" if value is None else f"a {type(value).__name__}"
+    raise ConfigError(f"{key}={brief(value)} {where} must be {forms}, not {given}{hint}")
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(kind: type) -> dict[str, Any]:
+    """The resolved type of each init field of dataclass `kind` (cached: `check_fields` runs in
+    every `__post_init__`)."""
+    hints = typing.get_type_hints(kind)
+    return {name: hints[name] for name in _init_fields(kind)}
+
+
+def _checkable(kind: Any) -> bool:
+    """Whether `coerce` knows type `kind` (a field of any other type is left to its class)."""
+    origin = typing.get_origin(kind)
+    if origin is not None:
+        return origin in (Union, list, tuple, dict) and all(
+            a is type(None) or a is Ellipsis or _checkable(a) for a in typing.get_args(kind))
+    return kind in (int, float, bool, str, dict)
+
+
+def check_fields(settings: Any, prefix: str = "") -> None:
+    """Check and read the fields of settings dataclass `settings` as `build` reads plain data:
+    each leaf as its annotated type (`coerce`: `topk="2"`, `topk=True` or a list where a number
+    belongs are refused, an int where a float belongs becomes that float, a tuple where a list
+    belongs that list; a string is no number here), each section by `read_section` (an
+    instance, a mapping of its settings, or its shorthand). The first thing every settings
+    dataclass's `__post_init__` does, so a tree made in Python is held to the types a YAML
+    document is; `prefix` (e.g. "router"; "" at the top) starts each field's name in errors."""
+    where = f"in {type(settings).__name__}"
+    fields = _init_fields(type(settings))
+    for name, declared in _hints(type(settings)).items():
+        value = getattr(settings, name)
+        key = f"{prefix}.{name}" if prefix else name
+        if dataclasses.is_dataclass(declared):
+            checked = read_section(fields[name], declared, value, key, where)
+        elif _checkable(declared):
+            checked = coerce(value, declared, key, text_numbers=False)
+        else:
+            continue
+        if checked is not value:
+            setattr(settings, name, checked)
 
 
 def dotted_keys(kind: type, prefix: str) -> list[str]:

@@ -76,6 +76,10 @@ def main(argv=None) -> int:
     parser.add_argument("--data-cache", type=Path, default=None)
     parser.add_argument("settings", nargs="*", help="SETTING=VALUE overrides for both runs")
     args = parser.parse_args(argv)
+    from megamoe.train.config import load_config
+
+    for optimizer in ("adamw", "muon"):  # a bad config or setting: one line here, no run
+        load_config(args.config, [f"optimizer.name={optimizer}", *args.settings])
     with tempfile.TemporaryDirectory(prefix="bench_muon_") as tmp:
         adamw, muon = (run(name, args, Path(tmp)) for name in ("adamw", "muon"))
     print(f"{args.config.name}, {args.nproc} process(es), median warm step: "

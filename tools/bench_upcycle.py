@@ -215,6 +215,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, value in SOURCES[args.source].defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.topk > args.experts:  # refused here, not after the source is built
+        raise ConfigError(f"--topk {args.topk} exceeds --experts {args.experts}; choose "
+                          "topk <= experts")
     check_folder_output(args.workdir, TOOL, "--workdir")
     if args.results is not None:
         for path in (args.results, layers_file(args.results)):

@@ -16,7 +16,8 @@ model; settings the architecture cannot express (sigmoid routing in Mixtral, top
 layers in Mixtral, attention sinks outside GPT-OSS, ...) are refused in one line.
 `--verify` loads OUT with transformers on CPU, checks its logits against megamoe's (max
 |difference| <= 1e-4 in fp32) and runs `generate`. Bad input: one line on stderr, exit code 2,
-no output left behind.
+no output left behind. OUT holds only the model's files, ready to upload: the mark that lets
+--overwrite replace it (megamoe.ownership) lies beside it, as `.OUT.megamoe-owner`.
 """
 from __future__ import annotations
 

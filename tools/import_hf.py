@@ -11,8 +11,8 @@ OUT: a torch_dist checkpoint in Megatron-LM's layout (`OUT/release/`, holding th
 `release/tokenizer/` and the source's config.json and generation_config.json in
 `release/hf_source/`) and `OUT/train_config.yaml`: the model, its tokenizer (`data.tokenizer`), its
 context length (capped for a CPU) and continued-pretraining settings, each with a comment. Train
-it with the command printed (`python -m megamoe.train --config OUT/train_config.yaml
-checkpoint.init_from=OUT`: the default corpus tokenized with the model's tokenizer, or
+it with the command printed (`python -m megamoe.train --config OUT/train_config.yaml`, which
+sets `checkpoint.init_from=OUT`: the default corpus tokenized with the model's tokenizer, or
 `data.prefixes` made with `tools/preprocess_data.py --tokenizer OUT/release/tokenizer`) and write
 it back with `tools/export_hf.py --load RUN/checkpoints --save HF_OUT` (the tokenizer and the
 source's config come along). Dense models

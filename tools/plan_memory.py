@@ -69,12 +69,17 @@ def check_outputs(args: argparse.Namespace, inputs: list) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_outputs(args, [args.config])
-    from megamoe.plan.run import main as plan_main, parse_memory
+    from megamoe.plan.limits import check_countable, check_request, parse_memory
     from megamoe.train.config import load_config
 
+    # Every argument is checked before the planner imports Megatron-Core.
     memory = parse_memory(args.device_memory) if args.device_memory is not None else None
+    check_request(args.world, args.ranks, args.maxvio, args.measure)
     config = load_config(args.config, args.overrides)
     check_outputs(args, [args.config, config.data.tokenizer])
+    check_countable(config)
+    from megamoe.plan.run import main as plan_main
+
     logging.getLogger("megatron").setLevel(logging.ERROR)
     return plan_main(config, args.world, args.ranks, memory, args.maxvio, args.json, args.png,
                      args.measure, max(1, args.top))

@@ -56,20 +56,25 @@ def parse_args(argv):
         raise ConfigError(f"--warmup={args.warmup} must be below --steps={args.steps} (its "
                           "default: --sample-every or a tenth of the steps, the larger)")
     check_folder_output(args.out, TOOL, "--out")
+    from megamoe.train.config import load_config
+
+    load_config(TINY, trainer_overrides(args))  # a bad override: one line here, no run
     return args
 
 
+def trainer_overrides(args) -> list[str]:
+    return [f"output_dir={Path(args.out) / 'run'}", f"training.train_steps={args.steps}",
+            f"checkpoint.interval={args.checkpoint_interval}", "logging.progress_bar=false",
+            "logging.tensorboard=false", "logging.interval=100",
+            *([] if args.nproc > 1 else ["parallel.expert=1"]), *args.overrides]
+
+
 def trainer_command(args) -> list[str]:
-    out = Path(args.out)
     launcher = [sys.executable, "-m", "megamoe.train"]
     if args.nproc > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc-per-node={args.nproc}", "-m", "megamoe.train"]
-    return launcher + [
-        "--config", str(TINY), f"output_dir={out / 'run'}", f"training.train_steps={args.steps}",
-        f"checkpoint.interval={args.checkpoint_interval}", "logging.progress_bar=false",
-        "logging.tensorboard=false", "logging.interval=100",
-        *([] if args.nproc > 1 else ["parallel.expert=1"]), *args.overrides]
+    return launcher + ["--config", str(TINY), *trainer_overrides(args)]
 
 
 def _children(pid: int) -> list[int]:

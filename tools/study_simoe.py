@@ -646,9 +646,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rates = _rates(args.learning_rates) if args.learning_rates else ()
     if args.learning_rates and not rates:
-        print(f"study_simoe: --learning-rates {args.learning_rates!r} must be positive numbers "
-              "separated by commas, e.g. 1e-3,3e-3", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--learning-rates {args.learning_rates!r} must be positive numbers "
+                          "separated by commas, e.g. 1e-3,3e-3")
     if args.cache_dir:
         CACHE.append(f"data.cache_dir={args.cache_dir}")
     if args.jobs > 1:

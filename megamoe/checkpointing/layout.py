@@ -88,6 +88,22 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Optional[Path]:
     return path
 
 
+def resolve_weights_dir(path: str | Path) -> Path:
+    """The torch_dist folder of `path`: a Megatron-LM root (`latest_checkpointed_iteration.txt`,
+    as tools/upcycle_ckpt.py writes; `release` allowed), a megamoe checkpoint folder, or the
+    folder itself."""
+    path = Path(path).expanduser()
+    tracked = read_tracker(path, allow_release=True)
+    if tracked is not None and tracked[1] == RELEASE:
+        path = path / RELEASE
+    else:
+        path = latest_checkpoint(path) or path
+    if not (path / "metadata.json").is_file():
+        raise CheckpointError(f"no torch_dist checkpoint at {path} (metadata.json missing); pass "
+                              f"a checkpoint folder or a root with {TRACKER}")
+    return path
+
+
 def saved_checkpoints(ckpt_dir: str | Path) -> list[Path]:
     """Every `iter_NNNNNNN` folder in `ckpt_dir`, oldest first."""
     ckpt_dir = Path(ckpt_dir)

@@ -247,8 +247,8 @@ def export_hf(load, save, arch: Optional[str] = None, tokenizer=None, overwrite:
     """Write the MoE checkpoint at `load` as a Hugging Face model directory `save` (see the
     module docstring). verify: load it with transformers and compare logits with megamoe's
     (max |difference| <= 1e-4 in fp32), and run `generate`."""
+    from megamoe.checkpointing.layout import resolve_weights_dir
     from megamoe.checkpointing.safe_dcp import load_common_state
-    from megamoe.train.checkpoint import resolve_weights_dir
     from megamoe.train.config import config_from_dict
 
     refuse_overlap(save, [load, tokenizer])
@@ -273,7 +273,9 @@ def export_hf(load, save, arch: Optional[str] = None, tokenizer=None, overwrite:
     # The table of the config.json written: what the import of the export will expect.
     model = table.read_config(configs.config, Path(save) / "config.json")
     blocks = table.blocks(model) + mtp_blocks(table, model, config.model.mtp_layers)
-    with atomic_directory(save, overwrite=overwrite, owner="export_hf") as tmp:
+    # The folder is uploaded to the Hub as it is: its ownership mark lies beside it.
+    with atomic_directory(save, overwrite=overwrite, owner="export_hf",
+                          outside_mark=True) as tmp:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
         counted = _write_blocks(source, folder, table, model, blocks, dtype, writer, save)
         shards = writer.finish()

@@ -83,8 +83,8 @@ def import_hf(load, save, overwrite: bool = False, verify: bool = False, drop_mt
         seconds = time.perf_counter() - start
         log(f"wrote {writer.bytes_written / 2**20:.1f} MiB in {seconds:.1f} s")
         log(tokenizer_line(origin))
-        log(f"train with: python -m megamoe.train --config {save}/{TRAIN_CONFIG_FILE} "
-            f"checkpoint.init_from={save}")
+        # The config sets checkpoint.init_from already: the command needs nothing more.
+        log(f"train with: python -m megamoe.train --config {save}/{TRAIN_CONFIG_FILE}")
         diff = _verify(load, checkpoint_dir, sections, log, source.reader) if verify else None
     return diff
 

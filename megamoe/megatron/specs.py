@@ -26,12 +26,22 @@ For Megatron-LM's `pretrain_gpt.py --spec megamoe.megatron.specs NAME`, `layer_s
 Dense/MoE interleaving follows `--moe-layer-freq` (int or 0/1 list, which also expresses
 first-k-dense) in every case, and the layers use Transformer Engine when it imports and the
 config asks for it (`transformer_impl`), the local Megatron modules otherwise.
+
+Before the settings tree, `moe_mlp_spec`, `gpt_layer_spec`, `gpt_decoder_block_spec`,
+`interleaved_layer_spec` and layer overrides took the MoE settings as flat keywords
+(`gpt_layer_spec(config, activation="gelu", score_function="softmax")`, `OLD_KEYWORDS`). For one
+release they are still read, each call with a FutureWarning giving the new form
+(`moe=moe_config_from_transformer_config(config, {"router": {"score_function": "softmax"},
+"experts": {"activation": "gelu"}})`); any other keyword is a one-line error naming the
+closest known one.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional, Union
+import inspect
+import warnings
+from typing import Any, Callable, Optional, Union
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -51,7 +61,8 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.utils import get_pg_rank
 
 from megamoe.balancing.owner import StepOwner
-from megamoe.config import MoEConfig, moe_layer_pattern
+from megamoe.config import (FLAT_NAMES, MoEConfig, is_flat_setting, moe_layer_pattern,
+                            nest_flat_settings)
 from megamoe.errors import ConfigError
 from megamoe.megatron.compat import global_layer_number
 from megamoe.megatron.fields import moe_config_from_transformer_config
@@ -61,6 +72,75 @@ from megamoe.megatron.moe_module import MegatronMoELayer
 from megamoe.megatron.projection_norm import with_qk_norm_scope
 from megamoe.megatron.sink_attention import with_sink_attention
 from megamoe.megatron.tracker import report_load_metrics
+from megamoe.settings import brief, closest, deep_merge, shown
+
+OLD_KEYWORDS = ("hidden_size", "num_experts", "ffn_hidden_size", "topk", "init_method_std",
+                *FLAT_NAMES)
+"""The flat MoE settings the spec functions took as keywords before the settings tree (the
+layer's sizes, and `megamoe.config.FLAT_NAMES`): read for one release, with a FutureWarning."""
+
+
+class SpecKeywordError(ConfigError, TypeError):
+    """A keyword no spec function takes (a TypeError too, as Python's own for an unknown
+    keyword)."""
+
+
+def _check_moe(function: Callable, moe: Any) -> None:
+    """Refuse a `moe` that is not a MoEConfig (an old positional call puts another argument
+    there)."""
+    if moe is not None and not isinstance(moe, MoEConfig):
+        raise ConfigError(f"{function.__name__}(moe={brief(moe)}): moe must be a MoEConfig or "
+                          f"None, not a {type(moe).__name__}; pass the other arguments by "
+                          "keyword")
+
+
+def _nested_changes(function: Callable, keywords: dict) -> dict:
+    """Old flat MoE `keywords` of `function` as nested changes of the settings tree; a keyword
+    that is neither one of `function`'s parameters nor an old MoE setting is a one-line error
+    naming the closest of those."""
+    parameters = [name for name, p in inspect.signature(function).parameters.items()
+                  if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    for key in keywords:
+        if key not in OLD_KEYWORDS:
+            near = closest(key, parameters + list(OLD_KEYWORDS))
+            hint = (f"did you mean {near!r}?" if near else
+                    f"it takes {', '.join(parameters)} (MoE settings in moe=MoEConfig(...))")
+            raise SpecKeywordError(f"{function.__name__}() got an unknown keyword argument "
+                                   f"{shown(key)!r}; {hint}")
+    return nest_flat_settings(keywords)
+
+
+def _warn_old_keywords(function: Callable, keywords: dict, new_form: str,
+                       stacklevel: int = 4) -> None:
+    """The FutureWarning of a call of `function` with old flat `keywords` (`stacklevel`: of the
+    caller's frame, as `warnings.warn` counts from here)."""
+    warnings.warn(
+        f"{function.__name__}({', '.join(f'{key}=...' for key in keywords)}): flat MoE keywords "
+        f"are deprecated and go in the next release; pass {shown(new_form, 300)} instead",
+        FutureWarning, stacklevel=stacklevel)
+
+
+def _with_old_keywords(function: Callable, config: Any, moe: Optional[MoEConfig],
+                       keywords: dict) -> Optional[MoEConfig]:
+    """`moe` with `function`'s old flat MoE `keywords` applied (to the TransformerConfig's MoE
+    settings when `moe` is None, as those keywords were), with a FutureWarning naming the new
+    form; `moe` itself without such keywords."""
+    _check_moe(function, moe)
+    if not keywords:
+        return moe
+    changes = _nested_changes(function, keywords)
+    if moe is not None:
+        _warn_old_keywords(function, keywords, f"moe=moe.merged({changes!r})")
+        return moe.merged(changes, f"in the keywords of {function.__name__}")
+    if config is None:
+        called = ", ".join(f"{key}=..." for key in keywords)
+        raise ConfigError(f"{function.__name__}({called}): flat MoE keywords change a "
+                          "MoEConfig, and neither moe nor a TransformerConfig was "
+                          f"given; pass moe=MoEConfig(...) (or moe=moe_config_from_transformer_"
+                          f"config(config, {changes!r:.200}))")
+    _warn_old_keywords(function, keywords,
+                       f"moe=moe_config_from_transformer_config(config, {changes!r})")
+    return moe_config_from_transformer_config(config, changes)
 
 
 def transformer_engine_available() -> bool:
@@ -73,11 +153,13 @@ def transformer_engine_available() -> bool:
 
 
 def moe_mlp_spec(moe: Optional[MoEConfig] = None, bias_width: Optional[int] = None,
-                 step_owner: Optional[StepOwner] = None) -> ModuleSpec:
+                 step_owner: Optional[StepOwner] = None, **old_keywords: Any) -> ModuleSpec:
     """The `mlp` slot spec: a megamoe layer configured by `moe` (None: by the TransformerConfig
     it is built with), with the width of its expert-bias buffers
     (`megamoe.megatron.router_counts`) and who ends its steps (`megamoe.balancing.owner`; None:
-    Megatron-LM's loop)."""
+    Megatron-LM's loop). `old_keywords`: flat MoE settings (`OLD_KEYWORDS`, deprecated) merged
+    over `moe`."""
+    moe = _with_old_keywords(moe_mlp_spec, None, moe, old_keywords)
     params = {name: value for name, value in (("moe", moe), ("bias_width", bias_width),
                                               ("step_owner", step_owner)) if value is not None}
     return ModuleSpec(module=MegatronMoELayer, params=params)
@@ -123,8 +205,11 @@ def _uses_transformer_engine(config: Any, use_transformer_engine: Optional[bool]
 
 def gpt_layer_spec(config: Any = None, use_transformer_engine: Optional[bool] = None,
                    moe: Optional[MoEConfig] = None, bias_width: Optional[int] = None,
-                   step_owner: Optional[StepOwner] = None) -> ModuleSpec:
-    """A GPT TransformerLayer spec whose MLP is a megamoe layer (`moe_mlp_spec`)."""
+                   step_owner: Optional[StepOwner] = None, **old_keywords: Any) -> ModuleSpec:
+    """A GPT TransformerLayer spec whose MLP is a megamoe layer (`moe_mlp_spec`).
+    `old_keywords`: flat MoE settings (`OLD_KEYWORDS`, deprecated), merged over `moe`, or over
+    the MoEConfig `config`'s MoE settings say."""
+    moe = _with_old_keywords(gpt_layer_spec, config, moe, old_keywords)
     base = _base_layer_spec(config, moe=True,
                             use_te=_uses_transformer_engine(config, use_transformer_engine))
     submodules = dataclasses.replace(base.submodules,
@@ -136,7 +221,8 @@ def gpt_decoder_block_spec(config: Any, moe: Optional[MoEConfig] = None, first_k
                            layer_overrides: Optional[dict[int, Union[MoEConfig, dict]]] = None,
                            use_transformer_engine: Optional[bool] = None,
                            vp_stage: Optional[int] = None, pp_rank: Optional[int] = None,
-                           step_owner: Optional[StepOwner] = None) -> TransformerBlockSubmodules:
+                           step_owner: Optional[StepOwner] = None,
+                           **old_keywords: Any) -> TransformerBlockSubmodules:
     """Decoder block spec: dense layers and megamoe layers as `moe_layer_pattern` says.
 
     moe: the MoE layers' MoEConfig (None: mapped once from `config`'s MoE settings).
@@ -144,8 +230,10 @@ def gpt_decoder_block_spec(config: Any, moe: Optional[MoEConfig] = None, first_k
     merged over `moe` (`MoEConfig.merged`, e.g. {5: {"num_experts": 16, "topk": 4}})}.
     step_owner: who ends each step's balancing (`megamoe.balancing.owner`; None: Megatron-LM's
     loop). Only this pipeline stage's layers are returned, like Megatron's
-    get_gpt_decoder_block_spec.
+    get_gpt_decoder_block_spec. `old_keywords`: flat MoE settings (`OLD_KEYWORDS`, deprecated),
+    merged over `moe` (or what `config` says).
     """
+    moe = _with_old_keywords(gpt_decoder_block_spec, config, moe, old_keywords)
     if getattr(config, "pipeline_model_parallel_layout", None) is not None:
         raise ConfigError(
             "pipeline_model_parallel_layout is not supported by megamoe's block spec; use "
@@ -201,9 +289,16 @@ def _all_layer_specs(config: Any, moe: Optional[MoEConfig], first_k_dense: int,
 
 
 def _layer_moe(base: MoEConfig, override: Union[MoEConfig, dict, None], layer: int) -> MoEConfig:
-    """Layer `layer`'s MoEConfig: its own object, or its nested changes merged over `base`."""
+    """Layer `layer`'s MoEConfig: its own object, or its nested changes merged over `base` (flat
+    settings of before the tree read as theirs, with a FutureWarning)."""
     if isinstance(override, MoEConfig):
         return override
+    if isinstance(override, dict) and any(is_flat_setting(k, v) for k, v in override.items()):
+        flat = [key for key, value in override.items() if is_flat_setting(key, value)]
+        override = nest_flat_settings(override)
+        warnings.warn(f"layer_overrides[{layer}] with flat MoE settings {flat}: deprecated, they "
+                      f"go in the next release; write them nested: {shown(repr(override), 300)}",
+                      FutureWarning, stacklevel=2)
     return base.merged(override, f"in layer_overrides[{layer}]") if override else base
 
 
@@ -221,7 +316,7 @@ class MegaMoETransformerLayer(TransformerLayer):
     """
 
     def __init__(self, config: Any, submodules: Any = None, layer_number: int = 1,
-                 first_k_dense: int = 0, **kwargs: Any):
+                 first_k_dense: int = 0, moe_overrides: Optional[dict] = None, **kwargs: Any):
         number = _global_layer_number(config, layer_number, kwargs)
         # A multi-token-prediction layer (numbered after the decoder's) is of the last kind.
         is_moe = moe_layer_pattern(config, first_k_dense)[min(number, config.num_layers) - 1]
@@ -229,7 +324,7 @@ class MegaMoETransformerLayer(TransformerLayer):
         base = _base_layer_spec(config, moe=is_moe, use_te=use_te).submodules
         if is_moe:
             base = dataclasses.replace(
-                base, mlp=moe_mlp_spec(moe_config_from_transformer_config(config)))
+                base, mlp=moe_mlp_spec(moe_config_from_transformer_config(config, moe_overrides)))
         report_load_metrics()  # on dense-only pipeline stages too: every rank tracks alike
         super().__init__(config, base, layer_number, **kwargs)
 
@@ -270,18 +365,32 @@ class MegatronLMBlockSpec(MegatronLMSpec):
     def resolve(self, config: Any, vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
         """The decoder block spec of this pipeline (and virtual) stage for `config`, its MoE
         layers configured by the one MoEConfig `config`'s MoE settings map to."""
-        return gpt_decoder_block_spec(config, vp_stage=vp_stage,
+        overrides = self.params.get("moe_overrides")
+        moe = moe_config_from_transformer_config(config, overrides) if overrides else None
+        return gpt_decoder_block_spec(config, moe, vp_stage=vp_stage,
                                       first_k_dense=self.params["first_k_dense"])
 
 
-def interleaved_layer_spec(first_k_dense: int = 0, block: bool = False) -> MegatronLMSpec:
+def interleaved_layer_spec(first_k_dense: int = 0, block: bool = False,
+                           moe_overrides: Optional[dict] = None,
+                           **old_keywords: Any) -> MegatronLMSpec:
     """One spec for every layer: dense or megamoe MoE per `moe_layer_freq` and `first_k_dense`,
-    decided at build time (`MegaMoETransformerLayer`). With `block`, its spec-function form
-    returns the decoder block spec."""
+    decided at build time (`MegaMoETransformerLayer`), each MoE layer configured by the
+    TransformerConfig's MoE settings with the nested `moe_overrides` merged over them
+    (`moe_config_from_transformer_config`). With `block`, its spec-function form returns the
+    decoder block spec. `old_keywords`: flat MoE settings (`OLD_KEYWORDS`, deprecated), merged
+    into `moe_overrides`."""
+    if old_keywords:
+        changes = _nested_changes(interleaved_layer_spec, old_keywords)
+        moe_overrides = deep_merge(moe_overrides or {}, changes)
+        _warn_old_keywords(interleaved_layer_spec, old_keywords,
+                           f"moe_overrides={moe_overrides!r}", stacklevel=3)
     cls = MegatronLMBlockSpec if block else MegatronLMSpec
     template = gpt_layer_spec(use_transformer_engine=transformer_engine_available())
-    return cls(module=MegaMoETransformerLayer, submodules=template.submodules,
-               params={"first_k_dense": first_k_dense})
+    params: dict[str, Any] = {"first_k_dense": first_k_dense}
+    if moe_overrides:
+        params["moe_overrides"] = moe_overrides
+    return cls(module=MegaMoETransformerLayer, submodules=template.submodules, params=params)
 
 
 layer_spec = interleaved_layer_spec()
@@ -294,7 +403,7 @@ as a spec function (`decoder_block_spec(config, vp_stage=...)`) it returns the e
 block spec of that config's pipeline stage."""
 
 
-__all__ = ["MegaMoETransformerLayer", "MegatronLMBlockSpec", "MegatronLMSpec",
-           "decoder_block_spec", "gpt_decoder_block_spec", "gpt_layer_spec",
+__all__ = ["MegaMoETransformerLayer", "MegatronLMBlockSpec", "MegatronLMSpec", "OLD_KEYWORDS",
+           "SpecKeywordError", "decoder_block_spec", "gpt_decoder_block_spec", "gpt_layer_spec",
            "interleaved_layer_spec", "layer_spec", "moe_layer_pattern", "moe_mlp_spec",
            "mtp_block_spec", "transformer_engine_available"]

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from megamoe.plan.counts import ParameterCounts, parameter_counts
 from megamoe.train.config import load_config
+
+if TYPE_CHECKING:  # the counts build models (Megatron-Core): imported where they are counted
+    from megamoe.plan.counts import ParameterCounts
 
 WITHOUT_MTP = "without the MTP block"
 WITH_MTP_COPIES = "with the MTP block and its copies of embedding and head"
@@ -122,5 +125,7 @@ def compare(release: Release, configs: Path) -> Comparison:
     """The planner's counts of `release`'s structure (the recipe under `configs`, with its
     overrides, and the release's vocabulary `data.vocab_size` whatever tokenizer is at hand)
     against its published figures."""
+    from megamoe.plan.counts import parameter_counts
+
     config = load_config(configs / f"{release.recipe}.yaml", list(release.overrides))
     return Comparison(release, parameter_counts(config, config.data.vocab_size))

@@ -2,48 +2,19 @@
 world size), optionally measure it, print and write the results."""
 from __future__ import annotations
 
-import math
-import re
 import sys
 from pathlib import Path
 from typing import Optional
 
 from megamoe.errors import ConfigError
 from megamoe.plan.layouts import config_layout, layouts_of_world
-from megamoe.plan.limits import check_countable
+from megamoe.plan.limits import check_countable, check_request
 from megamoe.plan.plan import LayoutPlan, plan_layout
 from megamoe.plan.counts import parameter_counts
 from megamoe.plan.report import (counts_text, layout_table, ranking_table, to_json, write_json,
                                  write_png)
 from megamoe.plan.shards import model_vocab_size
 from megamoe.train.config import TrainConfig
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-MAX_WORLD = 1 << 20
-
-
-def parse_memory(text: str) -> float:
-    """'80GiB', '80GB', '141e9', '0.5TiB' -> bytes (G, GiB: 2^30; GB: 10^9)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if not match or unit not in _UNITS or not math.isfinite(float(match.group(1))) \
-            or float(match.group(1)) <= 0:
-        raise ConfigError(f"--device-memory {text!r} is not a size; write e.g. 80GiB, 141GB "
-                          "or 80e9 (bytes)")
-    return float(match.group(1)) * _UNITS[unit]
-
-
-def check_world(world: Optional[int], flag: str) -> None:
-    if world is not None and not 1 <= world <= MAX_WORLD:
-        raise ConfigError(f"{flag} {world} must be a number of ranks in 1..{MAX_WORLD:,}")
-
-
-def check_maxvio(maxvio: float) -> None:
-    if not (math.isfinite(maxvio) and maxvio >= 0):
-        raise ConfigError(f"--maxvio {maxvio} must be >= 0 (0: perfectly balanced experts)")
-
 
 def _note(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
@@ -85,11 +56,7 @@ def main(config: TrainConfig, world: Optional[int], ranks: Optional[int],
          device_memory: Optional[float], maxvio: float, json_path: Optional[Path],
          png_path: Optional[Path], measure: bool, top: int) -> int:
     """Plan, print, write; the exit code (0)."""
-    check_world(world, "--world")
-    check_world(ranks, "--ranks")
-    check_maxvio(maxvio)
-    if measure and world is not None:
-        raise ConfigError("--measure runs the config's own layout; drop --world (or --measure)")
+    check_request(world, ranks, maxvio, measure)
     check_countable(config)
     vocab = model_vocab_size(config)
     counts = parameter_counts(config, vocab[0])

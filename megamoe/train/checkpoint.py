@@ -60,10 +60,10 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-from megamoe.checkpointing.layout import (RELEASE, TRACKER, TrainState, check_folder_step,
-                                          checkpoint_name, iteration_of, latest_checkpoint,
-                                          read_tracker, saved_checkpoints, step_of,
-                                          tracked_step, write_tracker)
+from megamoe.checkpointing.layout import (TrainState, check_folder_step, checkpoint_name,
+                                          iteration_of, latest_checkpoint, resolve_weights_dir,
+                                          saved_checkpoints, step_of, tracked_step,
+                                          write_tracker)
 from megamoe.checkpointing.manifest import has_manifest, verify_folder, write_manifest
 from megamoe.checkpointing.no_orphans import own_write_results_queue
 from megamoe.checkpointing.safe_dcp import (FAILURES, METADATA_FILE, common_state_problem,
@@ -461,22 +461,6 @@ def _load(request: dict, path: Path, strict: StrictHandling = StrictHandling.ASS
     except FAILURES as err:  # a checkpoint is user input: any failure to read it is one line
         raise CheckpointError(f"cannot load {path}: {type(err).__name__}: {first_line(err)}; "
                               "the checkpoint is corrupt or of another model") from None
-
-
-def resolve_weights_dir(path: str | Path) -> Path:
-    """The torch_dist folder of `path`: a Megatron-LM root (`latest_checkpointed_iteration.txt`,
-    as tools/upcycle_ckpt.py writes; `release` allowed), a megamoe checkpoint folder, or the
-    folder itself."""
-    path = Path(path).expanduser()
-    tracked = read_tracker(path, allow_release=True)
-    if tracked is not None and tracked[1] == RELEASE:
-        path = path / RELEASE
-    else:
-        path = latest_checkpoint(path) or path
-    if not (path / "metadata.json").is_file():
-        raise CheckpointError(f"no torch_dist checkpoint at {path} (metadata.json missing); pass "
-                              f"a checkpoint folder or a root with {TRACKER}")
-    return path
 
 
 def check_start(folder: Path, tokenizer, config: TrainConfig,

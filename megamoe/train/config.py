@@ -41,7 +41,8 @@ from megamoe.bounded import (MAX_INT_DIGITS, check_structure, load_yaml, parse_y
                              read_bounded)
 from megamoe.config import MoEConfig, moe_layer_pattern
 from megamoe.errors import ConfigError
-from megamoe.settings import brief, build, coerce, dotted_keys, shown, unknown_key
+from megamoe.settings import (brief, build, check_fields, coerce, dotted_keys, shown,
+                              unknown_key)
 from megamoe.train.methods import PRETRAINING, training_method
 from megamoe.train.settings.checkpoint import CheckpointConfig
 from megamoe.train.settings.checks import require
@@ -91,6 +92,9 @@ class TrainConfig:
     guards: GuardsConfig = field(default_factory=GuardsConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+
+    def __post_init__(self) -> None:
+        check_fields(self)  # each section an instance of its class or a mapping of its settings
 
     @property
     def checkpoint_dir(self) -> Path:

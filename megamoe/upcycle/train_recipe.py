@@ -85,7 +85,10 @@ def continued_pretraining_settings(model: ConvertedModel) -> dict[str, dict[str,
         "optimizer": {
             "lr": (LR, "continued pretraining: a peak about 10x below the usual pretraining "
                    "peak moves the released weights gently (raise it for a large domain "
-                   "shift, arXiv 2403.08763)"),
+                   f"shift, arXiv 2403.08763); at this rate a short smoke run ({WARMUP_STEPS} "
+                   "steps: all warm-up) shows no visible loss change: to see it learn in one, "
+                   "add optimizer.lr=1e-3 optimizer.warmup_steps=0 (a smoke-test setting, not "
+                   "a recipe)"),
             "min_lr": (MIN_LR, "re-decay to a tenth of the peak (arXiv 2403.08763)"),
             "warmup_steps": (WARMUP_STEPS, "re-warm the learning rate from ~0 (arXiv "
                              "2308.04014): keep it near 1% of a long run"),

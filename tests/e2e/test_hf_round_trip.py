@@ -92,6 +92,8 @@ def test_imported_model_trains_on_its_tokenizer_with_the_printed_command(corpus_
     command = next(line for line in done.stdout.splitlines() if line.startswith("train with: "))
     argv = shlex.split(command.removeprefix("train with: "))
     assert argv[:3] == ["python", "-m", "megamoe.train"]
+    # train_config.yaml sets checkpoint.init_from: the command does not repeat it
+    assert not any(arg.startswith("checkpoint.init_from=") for arg in argv)
     run = tmp_path / "run"
     trained = _run(*argv[1:], f"output_dir={run}", f"data.cache_dir={corpus_cache}",
                    "training.train_steps=2", "training.global_batch_size=2",

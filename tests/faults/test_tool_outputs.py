@@ -7,6 +7,7 @@ arguments are listed here (REQUIRED). Each flag is pointed at
 (a) the tool's input, for a tool that reads one (and, for an input folder, a path inside it),
 (b) a folder of the user's with a file in it,
 (c) a copy of the project's own docs/ (never the real one),
+(d) for every tool but export_hf, a Hugging Face export (marked beside itself, not inside),
 with and without --overwrite where the tool has it. Each attempt must be refused when the
 arguments are checked, in one line with exit code 2, and leave everything under the test's
 folder byte-identical (no file changed, added or removed). The tools run in this process:
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from megamoe.errors import run_cli
+from megamoe.ownership import MARK, outside_mark
 from tool_modules import TOOLS, tool_module
 
 ROOT = TOOLS.parent
@@ -104,7 +106,8 @@ def tree(path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> Path:
-    """The test's folder: inputs (a file and a folder), a user's folder, a copy of docs/."""
+    """The test's folder: inputs (a file and a folder), a user's folder, a copy of docs/, an
+    export_hf output."""
     root = tmp_path_factory.mktemp("tool_outputs")
     (root / "input.yaml").write_text((ROOT / "configs" / "tiny_cpu.yaml").read_text())
     (root / "input_folder").mkdir()
@@ -112,6 +115,10 @@ def world(tmp_path_factory) -> Path:
     (root / "mine").mkdir()
     (root / "mine" / "thesis.txt").write_text("three years of work\n")
     shutil.copytree(ROOT / "docs", root / "docs")
+    (root / "hf_export").mkdir()
+    (root / "hf_export" / "config.json").write_text("{}\n")
+    outside_mark(root / "hf_export").write_text("export_hf\n")
+    assert not (root / "hf_export" / MARK).exists()
     return root
 
 
@@ -131,6 +138,8 @@ def test_output_over_an_input_a_users_folder_or_docs_is_refused_untouched(
         if action.required and flag not in action.option_strings:
             required += [action.option_strings[-1], str(world / "new_output")]
     targets = {"the user's folder": world / "mine", "a copy of docs/": world / "docs"}
+    if name != "export_hf":
+        targets["export_hf's output"] = world / "hf_export"
     if name in REQUIRED:
         targets["its input"] = own
         if own.is_dir():

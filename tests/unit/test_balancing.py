@@ -21,6 +21,7 @@ def config(**changes):
                                                topk=2), changes))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("score_function", ["sigmoid", "softmax"])
 def test_loss_free_bias_drives_maxvio_below_005(score_function):
     torch.manual_seed(1)

@@ -12,6 +12,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from megamoe.children import run_child
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,6 +40,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_sigterm_ends_running_children_and_starts_no_more(tmp_path):
     tool = subprocess.Popen([sys.executable, "-c", TOOL, str(tmp_path)], cwd=REPO,
                             stderr=subprocess.PIPE, text=True)

@@ -112,6 +112,7 @@ def test_the_exported_config_is_transformers_gpt_oss_and_reads_back_as_the_same_
         assert getattr(ours, key) == getattr(theirs, key), key
 
 
+@pytest.mark.slow
 def test_the_import_tool_refuses_in_one_line_with_exit_2_and_writes_nothing(tmp_path):
     import subprocess
     import sys

@@ -54,6 +54,7 @@ def test_a_setting_that_is_not_a_positive_number_is_one_line(field, value):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_fractional_rope_theta_imports_and_matches_transformers(tmp_path):
     """rope_theta 0.5 (int() made it 0, and the model NaN): the import's logits equal
     transformers' within the tool's bar, and train_config.yaml holds 0.5."""

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 pytest.importorskip("deepspeed")
+# Importing DeepSpeed alone costs tens of seconds: the full tier only.
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": str(REPO)}

@@ -22,6 +22,7 @@ from hf_models import save_tiny_hf_model  # noqa: E402
 from megamoe.checkpointing.hf_source import interleave_qkv, split_qkv, HFArch
 from megamoe.errors import MegaMoEError  # noqa: E402
 from megamoe.interop.hf_export import check_expressible, export_hf  # noqa: E402
+from megamoe.ownership import MARK, outside_mark, owner  # noqa: E402
 from megamoe.train.config import config_from_dict  # noqa: E402
 from megamoe.upcycle import UpcycleRecipe, upcycle_checkpoint  # noqa: E402
 
@@ -43,6 +44,7 @@ def test_upcycled_hf_model_reproduces_transformers_logits(arch, tmp_path):
     assert (tmp_path / "moe" / "train_config.yaml").is_file()
 
 
+@pytest.mark.slow
 def test_granular_shared_gated_upcycle_and_qwen2_moe_export(tmp_path):
     """Qwen2 (QKV bias, tied embeddings) -> dense layer 0, MoE layer 1 with 8 experts of half
     size and a gated shared expert -> Qwen2-MoE (mlp_only_layers, shared_expert_gate)."""
@@ -66,6 +68,9 @@ def test_export_matches_megamoe_logits(arch, target, tmp_path):
     assert len(exported.shards) > 1  # streamed into several shards
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == set(exported.shards)
+    # only what transformers and the Hub expect: the ownership mark lies beside the folder
+    assert not any(path.name == MARK for path in (tmp_path / "out").rglob("*"))
+    assert owner(tmp_path / "out") == "export_hf" and outside_mark(tmp_path / "out").is_file()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -206,6 +211,15 @@ def test_train_config_caps_a_long_context_and_explains_each_choice():
     assert lines["methods"].endswith("# as Qwen3 trained")
     for section in continued_pretraining_settings(model).values():
         assert all("  # " in lines[key] for key in section)
+    # the peak's comment says a smoke run shows no learning and names overrides that do
+    smoke = "optimizer.lr=1e-3 optimizer.warmup_steps=0"
+    assert "no visible loss change" in lines["lr"] and smoke in lines["lr"]
+    for override in smoke.split():
+        key, value = override.removeprefix("optimizer.").split("=")
+        loaded["optimizer"][key] = yaml.safe_load(value)
+    loaded["training"]["train_steps"] = 10
+    smoke_config = config_from_dict(loaded).optimizer
+    assert (smoke_config.lr, smoke_config.warmup_steps) == (1e-3, 0)
 
 
 # ---- bad input: one line, exit code 2, no output ------------------------------------------
@@ -250,6 +264,7 @@ def test_bad_hf_input_is_one_line_and_leaves_nothing(kind, phrase, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
+@pytest.mark.slow
 def test_cli_bad_input_exit_code_2(tmp_path):
     hf = save_tiny_hf_model("llama", tmp_path / "hf", num_hidden_layers=1)
     _break("missing_shard", hf)

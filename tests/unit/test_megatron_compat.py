@@ -140,6 +140,7 @@ def test_async_finalize_is_found_where_each_version_looks_it_up():
     assert (torch_strategy in modules) == (not compat.SINCE_0_19)
 
 
+@pytest.mark.slow
 def test_te_general_gemm_mla_flag_and_legacy_grouped_mlp():
     """In a fresh import (the fallbacks change both once applied): `te_general_gemm` missing
     and MLA's HAVE_TE wrongly set on 0.16 without Transformer Engine, both right from 0.19;
@@ -204,6 +205,7 @@ def test_a_dataset_build_without_a_process_group_has_a_world_of_one():
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow
 def test_importing_megamoe_silences_syntax_warnings_from_megatron_sources_only():
     """megatron-core 0.19.2 installed without byte-code warns while compiling its own sources;
     megamoe's CLIs must still print one-line errors, and a user's own warnings still show."""

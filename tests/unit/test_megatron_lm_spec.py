@@ -189,6 +189,7 @@ print("attention", type(model.decoder.layers[0].self_attention).__name__, "loss"
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_spec_builds_latent_attention_without_a_manual_fallback_call(name):
     """Megatron-LM's `pretrain_gpt.py` on megatron-core 0.16.1 without Transformer Engine imports

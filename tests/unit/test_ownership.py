@@ -11,7 +11,7 @@ import pytest
 from megamoe.atomic import atomic_directory
 from megamoe.errors import ConfigError
 from megamoe.ownership import (MARK, check_file_output, check_folder_output, claim_folder,
-                               fresh_folder, owner, replace_folder)
+                               fresh_folder, outside_mark, owner, replace_folder)
 
 
 def files(folder) -> dict[str, str]:
@@ -74,6 +74,35 @@ def test_atomic_directory_marks_its_output_and_overwrites_only_its_own(tmp_path)
         (tmp / "weights").write_text("2")
     assert files(target) == {MARK: "tool_a\n", "weights": "2"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_an_output_that_holds_only_its_own_files_is_marked_beside_it(tmp_path):
+    """A Hugging Face export (uploaded as it is) carries no mark: `.<name>.megamoe-owner` beside
+    it names its tool, written before the folder is renamed in, kept by an overwrite, and it
+    alone makes the folder the tool's."""
+    target, beside = tmp_path / "hf", tmp_path / f".hf{MARK}"
+    assert outside_mark(target) == beside
+    with atomic_directory(target, owner="tool_a", outside_mark=True) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert files(target) == {"config.json": "{}"} and beside.read_text() == "tool_a\n"
+    assert owner(target) == "tool_a"
+    with pytest.raises(ConfigError, match="it is tool_a's output"):
+        with atomic_directory(target, owner="tool_b", overwrite=True, outside_mark=True):
+            pass
+    with atomic_directory(target, owner="tool_a", overwrite=True, outside_mark=True) as tmp:
+        (tmp / "config.json").write_text("{}\n")
+    assert files(target) == {"config.json": "{}\n"} and beside.read_text() == "tool_a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [beside.name, "hf"]
+    beside.unlink()  # without its mark the folder is anyone's: refused untouched
+    with pytest.raises(ConfigError, match="did not write"):
+        with atomic_directory(target, owner="tool_a", overwrite=True, outside_mark=True):
+            pass
+    assert files(target) == {"config.json": "{}\n"} and not beside.exists()
+    # an output of before, marked inside, is replaced by one marked beside
+    (target / MARK).write_text("tool_a\n")
+    with atomic_directory(target, owner="tool_a", overwrite=True, outside_mark=True) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert files(target) == {"config.json": "{}"} and beside.read_text() == "tool_a\n"
 
 
 def test_a_file_output_never_replaces_a_folder_or_an_input(tmp_path):

@@ -83,6 +83,7 @@ print(json.dumps({"losses": losses, "naive_diff": float((out - naive).abs().max(
 """
 
 
+@pytest.mark.slow
 def test_layer_trains_in_a_plain_torch_model():
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(Path(__file__).parent)],
                           capture_output=True, text=True, timeout=300)

@@ -294,6 +294,7 @@ def test_cli_errors(tool, tmp_path, capsys, monkeypatch, argv, expected):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_long_sequence_is_planned_without_its_attention_mask(tmp_path):
     """seq_length 2^16: the CPU causal mask the trainer's engine builds would hold 4 GiB; the
     planner builds it on the meta device, so the whole plan stays far below that."""

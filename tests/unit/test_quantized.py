@@ -221,6 +221,7 @@ SPEC = st.dictionaries(st.sampled_from(["quant_method", "fmt", "weight_block_siz
                        SCALARS | st.lists(SCALARS, max_size=3), max_size=4)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(spec=SPEC | SCALARS)
 def test_any_quantization_config_reads_or_is_one_line(spec):

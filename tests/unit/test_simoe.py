@@ -109,6 +109,7 @@ class ToyGated(torch.nn.Module):
         self.splits_gates = False
 
 
+@pytest.mark.slow
 def test_lagrangian_drives_expected_sparsity_to_the_target():
     torch.manual_seed(0)
     simoe = SIMoEConfig(num_experts=2, target_sparsity=0.75, lagrangian_lr=0.5, mask_lr_scale=1.0)

@@ -255,6 +255,7 @@ def test_overlong_record_is_refused_in_bounded_memory(tokenizers, tmp_path, monk
                    num_threads=1)
 
 
+@pytest.mark.slow
 def test_dev_zero_tokenizer_is_refused_within_a_few_mib(jsonl, tmp_path):
     """Peak memory of the whole command over what its imports took (issue 46, item 3)."""
     script = textwrap.dedent(f"""

@@ -175,6 +175,7 @@ def test_verify_needs_the_head_count_when_the_checkpoint_has_no_args(ckpts, tmp_
     assert code == 0 and "max |logit diff|" in out
 
 
+@pytest.mark.slow
 def test_cli_process_exit_code_and_single_error_line(tmp_path):
     save = tmp_path / "out"
     done = subprocess.run([sys.executable, str(TOOL), "--load", str(tmp_path / "missing"),

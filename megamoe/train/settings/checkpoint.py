@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megamoe.settings import check_fields
 from megamoe.train.settings.checks import require
 
 
@@ -32,6 +33,7 @@ class CheckpointConfig:
     learn token ids that mean something else."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "checkpoint")
         require(self.interval >= 0,
                 f"checkpoint.interval={self.interval} must be >= 0 (0: at the end)")
         require(self.keep_last >= 0,

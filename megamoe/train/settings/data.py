@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megamoe.errors import ConfigError
-from megamoe.settings import shown
+from megamoe.settings import check_fields, shown
 from megamoe.train.settings.checks import require
 
 
@@ -46,6 +46,7 @@ class DataConfig:
     every position counts, the end of each document included, whatever the tokenizer's pad."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "data")
         require(bool(self.tokenizer) or not self.prefixes,
                 "data.prefixes needs data.tokenizer, the tokenizer the data was made with (a "
                 "SentencePiece .model, a tokenizer.json or a Hugging Face folder)")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megamoe.settings import check_fields
 from megamoe.train.settings.checks import require
 
 
@@ -18,6 +19,7 @@ class EvaluationConfig:
     """Global batches of the valid split evaluated each time (the same ones every time)."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "evaluation")
         require(self.interval >= 0,
                 f"evaluation.interval={self.interval} must be >= 0 (0: never)")
         require(self.batches >= 1, f"evaluation.batches={self.batches} must be >= 1")

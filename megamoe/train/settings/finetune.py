@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megamoe.settings import check_fields
 from megamoe.train.methods import training_method
 
 
@@ -36,4 +37,5 @@ class FinetuneConfig:
     """`simoe`: megamoe.simoe.SIMoEConfig fields (num_experts, target_sparsity, ...)."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "finetune")
         training_method(self.method)  # an unknown method is a ConfigError naming the known ones

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megamoe.settings import check_choice
+from megamoe.settings import check_choice, check_fields
 from megamoe.train.settings.checks import require
 
 SPIKE_ACTIONS = ("stop", "rollback")
@@ -33,6 +33,7 @@ class GuardsConfig:
     this many extra steps of samples for the skipped batches."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "guards")
         require(self.spike_factor == 0 or self.spike_factor > 1, "guards.spike_factor="
                 f"{self.spike_factor} must be > 1 (or 0 to switch the guard off)")
         require(self.spike_window >= 1, f"guards.spike_window={self.spike_window} must be >= 1")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megamoe.settings import check_fields
 from megamoe.train.settings.checks import require
 
 
@@ -22,4 +23,5 @@ class LoggingConfig:
     """Show a tqdm progress bar on rank 0."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "logging")
         require(self.interval >= 1, f"logging.interval={self.interval} must be >= 1")

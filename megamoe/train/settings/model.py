@@ -11,8 +11,8 @@ from typing import Optional, Union
 
 from megamoe.config import moe_layer_pattern
 from megamoe.errors import ConfigError
-from megamoe.settings import brief, closest, model_setting, training_setting
-from megamoe.settings import check_choice
+from megamoe.settings import (brief, check_choice, check_fields, closest, model_setting,
+                              training_setting)
 from megamoe.train.settings.checks import require
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
@@ -137,6 +137,7 @@ class ModelConfig:
     adds (lambda / D) * sum_k loss_k (DeepSeek-V3: 0.3 for its first 10T tokens, 0.1 after)."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "model")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                      "seq_length"):
             require(getattr(self, name) >= 1, f"model.{name}={getattr(self, name)} must be >= 1")

@@ -9,7 +9,7 @@ from typing import Any, Optional
 from megamoe.errors import CheckpointError, ConfigError
 from megamoe.optim.muon import check_scale
 from megamoe.optim.newton_schulz import DEFAULT_STEPS, JORDAN_COEFFICIENTS, check_newton_schulz
-from megamoe.settings import unknown_choice
+from megamoe.settings import check_fields, unknown_choice
 
 DECAY_STYLES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "muon")
@@ -32,6 +32,7 @@ class MuonSettings:
     takes `lr` and `weight_decay` as AdamW does), `jordan` (sqrt(max(1, rows/cols))), `none`."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "optimizer.muon")
         check_newton_schulz(self.ns_steps, tuple(self.ns_coefficients))
         check_scale(self.scale)
         if not 0 <= self.momentum < 1:
@@ -73,6 +74,7 @@ class OptimizerConfig:
     """Adam epsilon."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "optimizer")
         checks = [
             (self.decay_style in DECAY_STYLES,
              f"optimizer.decay_style={self.decay_style!r} is not one of {list(DECAY_STYLES)}"),

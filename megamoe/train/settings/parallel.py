@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megamoe.settings import check_fields
 from megamoe.train.settings.checks import require
 
 
@@ -29,6 +30,7 @@ class ParallelConfig:
     """Pipeline: layers of the last stage (see `first_stage_layers`)."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "parallel")
         for name in ("tensor", "pipeline", "expert", "virtual_stages"):
             require(getattr(self, name) >= 1,
                     f"parallel.{name}={getattr(self, name)} must be >= 1")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megamoe.settings import check_choice
+from megamoe.settings import check_choice, check_fields
 from megamoe.train.settings.checks import require
 
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -48,6 +48,7 @@ class TrainingConfig:
     """A collective waiting longer than this (a dead rank) fails instead of hanging."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "training")
         for name in ("train_steps", "micro_batch_size", "global_batch_size"):
             require(getattr(self, name) >= 1,
                     f"training.{name}={getattr(self, name)} must be >= 1")

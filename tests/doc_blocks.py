@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -150,7 +150,7 @@ def substituted(block: Block, table: Substitutions) -> str:
     return text
 
 
-_PIP_PREFIX = re.compile(r"^(?P<indent>\s*)(?:python3? -m )?pip3? install\b[^\n]*?&&\s*",
+_PIP_PREFIX = re.compile(r"^(?P<indent>[ \t]*)(?:python3? -m )?pip3? install\b[^\n]*?&&\s*",
                          re.MULTILINE)
 _PIP_LINE = re.compile(r"^\s*(?:python3? -m )?pip3? install\b(?:[^\n]*\\\n)*[^\n]*\n?",
                        re.MULTILINE)
@@ -179,7 +179,6 @@ class Workdir:
     root: Path
     home: Path
     scripts: Path
-    results: dict[str, str] = field(default_factory=dict)  # block id -> "passed" / "failed"
 
     @classmethod
     def create(cls, base: Path) -> "Workdir":
@@ -234,13 +233,24 @@ def _registries() -> list:
     return [value for value in vars(registry).values() if isinstance(value, registry.Registry)]
 
 
+def _megatron_initialised() -> bool:
+    if "megatron.core" not in sys.modules:
+        return False
+    from megatron.core import parallel_state
+
+    return parallel_state.model_parallel_is_initialized()
+
+
 def run_python(block: Block, script: str, workdir: Workdir) -> float:
     """Run `script` in-process as `python FILE.py` would (a fresh `__main__` namespace), in the
-    working directory with its HOME; megamoe's registries are restored afterwards, so a block
-    that registers a router leaves no trace in other tests. Returns the seconds."""
+    working directory with its HOME. What a block leaves in the process is undone afterwards,
+    so it leaves no trace in other tests: megamoe's registries are restored (a block may
+    register a router), and Megatron's parallel state (and the process group) a block set up
+    with `setup_megatron()` is torn down. Returns the seconds."""
     path = workdir.scripts / f"{block.file.replace('/', '_')}_L{block.line}.py"
     path.write_text(script)
     saved = [(reg, dict(reg._entries), dict(reg._configs)) for reg in _registries()]
+    megatron_before = _megatron_initialised()
     cwd, home = os.getcwd(), os.environ.get("HOME")
     os.chdir(workdir.root)
     os.environ["HOME"] = str(workdir.home)
@@ -259,4 +269,8 @@ def run_python(block: Block, script: str, workdir: Workdir) -> float:
             reg._entries.update(entries)
             reg._configs.clear()
             reg._configs.update(configs)
+        if not megatron_before and _megatron_initialised():
+            from megamoe.megatron.runtime import teardown_megatron
+
+            teardown_megatron()
     return seconds

@@ -287,12 +287,17 @@ def seed_final_hidden(dense, tokens):
     return hidden[0]
 
 
-def _unit_aux_scale():
+@pytest.fixture
+def unit_aux_scale():
+    """Megatron's aux-loss scale at 1 for the test, then unset again as in a fresh process
+    (Megatron's schedules `copy_` their [1]-shaped scale into one that is set)."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    yield
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
-def test_router_logit_penalty_joins_the_loss_as_smat_writes_it(megatron):
+def test_router_logit_penalty_joins_the_loss_as_smat_writes_it(megatron, unit_aux_scale):
     """SMAT's 1e-4 x mean squared router logit: its value and its gradient on the router's keys,
     by hand from the dense seed's final hidden states (the masks' terms are 0 here: multipliers
     start at 0, no orthogonality weight)."""
@@ -310,7 +315,6 @@ def test_router_logit_penalty_joins_the_loss_as_smat_writes_it(megatron):
     # d/dk_m of c/(B M) sum_b (k_m . f_b)^2 = 2c/(B M) sum_b (k_m . f_b) f_b
     grad_by_hand = 2 * coefficient / (BATCH * 3) * router_logits.t() @ pooled
 
-    _unit_aux_scale()
     model.train()
     out = logits(model, tokens, prompt_mask=prompt_mask)
     assert abs(float(model.auxiliary_loss().detach()) - by_hand) < 1e-5 * max(1.0, by_hand)
@@ -325,7 +329,7 @@ def test_router_logit_penalty_joins_the_loss_as_smat_writes_it(megatron):
 
 
 @pytest.mark.parametrize("weighted", [True, False])
-def test_sparsity_lagrangian_is_weighted_by_the_detached_selection(megatron, weighted):
+def test_sparsity_lagrangian_is_weighted_by_the_detached_selection(megatron, weighted, unit_aux_scale):
     """SMAT: sum_m lambda_m s_m (E[density_m] - target), s_m the batch's mean coefficient of
     expert m, with no gradient to the router. Every gate of expert m at log-alpha v_m, so its
     expected density is P(z != 0) = sigmoid(v_m - beta log(-gamma / zeta)) by hand."""
@@ -350,7 +354,6 @@ def test_sparsity_lagrangian_is_weighted_by_the_detached_selection(megatron, wei
     multipliers = [0.3, 0.7, 1.1]
     by_hand = sum(multipliers[m] * weights[m] * (density[m] - 0.25) for m in range(3))
 
-    _unit_aux_scale()
     model.train()
     tokens, _, _ = batch(8)
     out = logits(model, tokens, coefficients=coefficients)

@@ -52,6 +52,8 @@ SUBSTITUTIONS: dict[tuple[str, str], list[tuple[str, str]]] = {
          ("checkpoint.init_from=runs/simoe_dense_seed/checkpoints",
           f"checkpoint.init_from=runs/simoe_dense_seed/checkpoints {STEPS} "
           f"finetune.eval_data=[{INSTRUCT_EVAL}]")],
+    ("docs/studies.md", "tools/study_routing.py --quick"):
+        [("--quick", "--quick --variants aux_loss,bias")],
     ("docs/memory_planner.md", "--config configs/mixtral_8x7b.yaml --world 64"):
         [("--world 64", "--world 8")],
     ("docs/pretraining.md", "torchrun --standalone --nproc-per-node=2 -m megamoe.train"):
@@ -60,10 +62,6 @@ SUBSTITUTIONS: dict[tuple[str, str], list[tuple[str, str]]] = {
         [("output_dir=runs/llama_moe", f"output_dir=runs/llama_moe {STEPS}")],
     ("docs/pretraining.md", "output_dir=runs/tiny_top_p"):
         [("training.train_steps=20", STEPS)],
-}
-
-# Blocks whose tier the rule of `tier` gets wrong: (file, snippet) -> "quick" or "slow".
-TIERS: dict[tuple[str, str], str] = {
 }
 
 # Commands that train or convert models (tens of seconds or more on 2 cores): the slow tier.
@@ -88,11 +86,8 @@ def _matches(key: tuple[str, str], block: Block) -> bool:
 
 
 def tier(block: Block) -> str:
-    """"slow" for a block that trains or converts models (or that TIERS says is), else
-    "quick"; a block that is not run is quick (it only reports its reason)."""
-    listed = [value for key, value in TIERS.items() if _matches(key, block)]
-    if listed:
-        return listed[0]
+    """"slow" for a block that trains or converts models, else "quick"; a block that is not
+    run is quick (it only reports its reason)."""
     if block.note == NOT_RUN:
         return "quick"
     text = block.text
@@ -188,18 +183,17 @@ def test_documented_block_runs(block: Block, doc_workdirs, request):
 
 
 def test_substitution_table_matches_the_docs():
-    """Every entry of SUBSTITUTIONS and TIERS names exactly one runnable block, and each
-    substituted block says so above its fence."""
+    """Every entry of SUBSTITUTIONS names exactly one runnable block, and each substituted
+    block says so above its fence."""
     problems = []
-    for table, name in ((SUBSTITUTIONS, "SUBSTITUTIONS"), (TIERS, "TIERS")):
-        for key in table:
-            found = [block for block in BLOCKS if _matches(key, block)]
-            if len(found) != 1:
-                problems.append(f"{name} entry {key} matches {len(found)} blocks "
-                                f"({[b.id for b in found]}), not one")
-            elif table is SUBSTITUTIONS and found[0].note != RUN_WITH:
-                problems.append(f"{name} entry {key} is for {found[0].id}, which has no "
-                                f"'*{RUN_WITH}: ...*' note above it")
+    for key in SUBSTITUTIONS:
+        found = [block for block in BLOCKS if _matches(key, block)]
+        if len(found) != 1:
+            problems.append(f"SUBSTITUTIONS entry {key} matches {len(found)} blocks "
+                            f"({[b.id for b in found]}), not one")
+        elif found[0].note != RUN_WITH:
+            problems.append(f"SUBSTITUTIONS entry {key} is for {found[0].id}, which has no "
+                            f"'*{RUN_WITH}: ...*' note above it")
     assert not problems, "\n".join(problems)
 
 

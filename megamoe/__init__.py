@@ -16,14 +16,26 @@ logging.getLogger("torch.utils.cpp_extension").addFilter(
     lambda record: not record.getMessage().startswith("No CUDA runtime is found"))
 warnings.filterwarnings("ignore", category=SyntaxWarning, module=r".*[\\/]megatron[\\/]")
 
-from megamoe import dispatch, experts, routing  # noqa: E402,F401  (they fill megamoe.registry)
-from megamoe.config import (BalancingConfig, DispatcherConfig, ExpertsConfig,  # noqa: E402
-                            MoEConfig, RouterConfig, SharedExpertConfig)
-from megamoe.errors import CheckpointError, ConfigError, DataError, MegaMoEError  # noqa: E402
-from megamoe.routing import (BaseRouterConfig, SinkhornRouterConfig,  # noqa: E402
-                             ThresholdRouterConfig, TopKRouterConfig, TopPRouterConfig)
+# The public names, imported on first use (PEP 562): `import megamoe` alone, as every tool and
+# helper process does through its submodules, does not import torch.
+_PUBLIC = {
+    "megamoe.config": ("BalancingConfig", "DispatcherConfig", "ExpertsConfig", "MoEConfig",
+                       "RouterConfig", "SharedExpertConfig"),
+    "megamoe.errors": ("CheckpointError", "ConfigError", "DataError", "MegaMoEError"),
+    "megamoe.routing": ("BaseRouterConfig", "SinkhornRouterConfig", "ThresholdRouterConfig",
+                        "TopKRouterConfig", "TopPRouterConfig"),
+}
+_MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}
+__all__ = sorted(_MODULE_OF)
 
-__all__ = ["BalancingConfig", "BaseRouterConfig", "CheckpointError", "ConfigError", "DataError",
-           "DispatcherConfig", "ExpertsConfig", "MegaMoEError", "MoEConfig", "RouterConfig",
-           "SharedExpertConfig", "SinkhornRouterConfig", "ThresholdRouterConfig",
-           "TopKRouterConfig", "TopPRouterConfig"]
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'megamoe' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_MODULE_OF[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

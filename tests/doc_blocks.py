@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import warm_launcher
+
 REPO = Path(__file__).resolve().parents[1]
 RUNNABLE = ("bash", "python")
 NOT_RUN = "Not run by the tests"
@@ -201,10 +203,13 @@ class Workdir:
 
     def env(self) -> dict[str, str]:
         """The environment of a bash block: this test's Python first on PATH (`python`, `pip`,
-        `torchrun`), the working directory's HOME, offline Hugging Face and wandb, TorchDynamo
-        off (as every test), a free rendezvous port for a torchrun without --standalone."""
-        bin_dir = str(Path(sys.executable).parent)
-        return {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+        `torchrun`), its `python` and `torchrun` run through the warm launcher
+        (tests/warm_launcher.py), the working directory's HOME, offline Hugging Face and wandb,
+        TorchDynamo off (as every test), a free rendezvous port for a torchrun without
+        --standalone."""
+        path = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
+        shims = warm_launcher.shim_environment(self.scripts / "bin", path)
+        return {**os.environ, **shims,
                 "HOME": str(self.home), "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1",
                 "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1", "MPLBACKEND": "Agg",
@@ -249,7 +254,7 @@ def run_python(block: Block, script: str, workdir: Workdir) -> float:
     with `setup_megatron()` is torn down. Returns the seconds."""
     path = workdir.scripts / f"{block.file.replace('/', '_')}_L{block.line}.py"
     path.write_text(script)
-    saved = [(reg, dict(reg._entries), dict(reg._configs)) for reg in _registries()]
+    saved = [(registry, registry.snapshot()) for registry in _registries()]
     megatron_before = _megatron_initialised()
     cwd, home = os.getcwd(), os.environ.get("HOME")
     os.chdir(workdir.root)
@@ -264,11 +269,8 @@ def run_python(block: Block, script: str, workdir: Workdir) -> float:
             os.environ.pop("HOME", None)
         else:
             os.environ["HOME"] = home
-        for reg, entries, configs in saved:
-            reg._entries.clear()
-            reg._entries.update(entries)
-            reg._configs.clear()
-            reg._configs.update(configs)
+        for registry, snapshot in saved:
+            registry.restore(snapshot)
         if not megatron_before and _megatron_initialised():
             from megamoe.megatron.runtime import teardown_megatron
 

@@ -5,6 +5,10 @@ holds RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (so `env://` ini
 `setup_megatron` find their peers), with one intra-op thread. The return value (tensors, numbers,
 strings, and lists, tuples or dicts of them) comes back through `torch.save` and is read with
 `weights_only=True`. Used by the memory planner's `--measure` and by the distributed tests.
+
+A program that starts many groups of ranks (a test session) calls `start_from_forkserver` once:
+later ranks are then forked from one server process that imported the given modules (torch,
+Megatron-Core, ...) when it started, instead of each importing them again.
 """
 from __future__ import annotations
 
@@ -16,6 +20,18 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.multiprocessing as mp
+
+
+_START = {"method": "spawn"}
+
+
+def start_from_forkserver(preload: Iterable[str]) -> None:
+    """Start every later group of ranks from a forkserver that imports `preload` once.
+
+    The server starts with the first group and keeps this process's `sys.path` and environment
+    of that moment; each rank still sets its own RANK, WORLD_SIZE, ... as under "spawn"."""
+    mp.set_forkserver_preload(list(preload))
+    _START["method"] = "forkserver"
 
 
 def _free_port() -> int:
@@ -49,7 +65,7 @@ def spawn_ranks(world_size: int, fn: Callable, out_dir: str, timeout_s: float,
     killing every rank still alive) if the ranks did not all finish within `timeout_s`.
     """
     os.makedirs(out_dir, exist_ok=True)
-    context = mp.get_context("spawn")
+    context = mp.get_context(_START["method"])
     port = _free_port()
     # Not daemonic: dist_checkpointing.save starts a multiprocessing manager.
     procs = [context.Process(target=_run_rank,

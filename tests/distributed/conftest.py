@@ -1,13 +1,18 @@
 """Shared multi-process runs: one spawn per world size, read by every test that needs it.
 
-Spawning costs most of the time here (each rank imports torch and megatron.core), so each world
-size runs once per session: world size 2 trains and saves the checkpoints that world sizes 1 and 4
-then load.
+Starting ranks costs most of the time here, so each world size runs once per session: world
+size 2 trains and saves the checkpoints that world sizes 1 and 4 then load. Ranks are forked from
+a forkserver that has imported torch, Megatron-Core and megamoe's modules once
+(`start_from_forkserver` with the warm launcher's PRELOAD), not spawned to import them again.
 """
 import pytest
 
 import ep_workers
 from megamoe.parallel.spawn import spawn_ranks as spawn
+from megamoe.parallel.spawn import start_from_forkserver
+from warm_launcher import PRELOAD
+
+start_from_forkserver(PRELOAD)
 
 RUN_TIMEOUT_S = 300  # a whole world-size run, start-up included, on 2 busy cores
 

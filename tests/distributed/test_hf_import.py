@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 import hf_import_workers  # noqa: E402
 from megamoe.parallel.spawn import spawn_ranks as spawn  # noqa: E402
 from hf_models import MOE_ARCHS, save_tiny_hf_model, saved_tensors  # noqa: E402
+import warm_launcher
 
 REPO = Path(__file__).resolve().parents[2]
 BAR = 1e-4
@@ -179,8 +180,8 @@ def test_train_config_trains_on_the_models_own_tokenizer(imported, expert_parall
 
 
 def _cli(tool: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, f"tools/{tool}", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    return warm_launcher.run([sys.executable, f"tools/{tool}", *args], cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
 
 
 def test_refusals_are_one_line_and_leave_nothing(tmp_path):

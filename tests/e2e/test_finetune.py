@@ -3,7 +3,6 @@ checkpoint resumes exactly (masks, deltas, router and the Lagrange multipliers a
 checkpoint), and bad instruction data stops the run before it writes anything."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 
 from megamoe.instruct import tasks
 from test_train import records, train
+import warm_launcher
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = REPO / "configs" / "simoe_dense_seed.yaml"
@@ -51,7 +51,7 @@ def test_bad_instruction_data_is_one_line_exit_2_and_writes_nothing(corpus_cache
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "Add 1 and 2.", "response": " 3"}) + "\n{oops\n")
     out = tmp_path / "run"
-    done = subprocess.run(
+    done = warm_launcher.run(
         [sys.executable, "-m", "megamoe.train", "--config", str(INSTRUCT), f"output_dir={out}",
          f"data.cache_dir={corpus_cache}", *tune, f"finetune.train_data={bad}"],
         cwd=REPO, capture_output=True, text=True, timeout=300,

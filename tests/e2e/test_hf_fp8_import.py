@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("transformers")
 import torch  # noqa: E402
+import warm_launcher  # noqa: E402
 from hf_models import (add_mtp_tensors, save_tiny_hf_model, saved_config,  # noqa: E402
                        saved_tensors)
 
@@ -93,8 +94,8 @@ def _expected(source: dict, dtype: torch.dtype) -> dict:
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    return warm_launcher.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
+                             timeout=300)
 
 
 @pytest.mark.parametrize("dtype", ["default", "bf16"])

@@ -19,6 +19,7 @@ import yaml
 
 pytest.importorskip("transformers")
 from hf_models import add_mtp_tensors, save_tiny_hf_model, saved_tensors  # noqa: E402
+import warm_launcher
 
 REPO = Path(__file__).resolve().parents[2]
 MTP = "model.layers.2."  # the tiny model has 2 decoder layers
@@ -26,8 +27,8 @@ MTP = "model.layers.2."  # the tiny model has 2 decoder layers
 
 def _run(*args: str, code: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "WANDB_MODE": "offline"}
-    done = subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    done = warm_launcher.run([sys.executable, *map(str, args)], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=timeout)
     assert done.returncode == code, f"{args[:2]} exit {done.returncode}\n{done.stderr[-3000:]}"
     return done
 

@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("transformers")
 from hf_models import save_tiny_hf_model  # noqa: E402
+import warm_launcher
 
 REPO = Path(__file__).resolve().parents[2]
 BAR = 1e-4
@@ -31,8 +32,8 @@ ROUTES = {
 
 def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "WANDB_MODE": "offline"}
-    done = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    done = warm_launcher.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=timeout)
     assert done.returncode == 0, f"{args[:2]} exit {done.returncode}\n{done.stderr[-3000:]}"
     return done
 

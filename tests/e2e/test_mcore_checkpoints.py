@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_launcher
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "mcore_checkpoints"
 VERSIONS = sorted(p.name for p in FIXTURES.glob("mcore-*"))
@@ -24,7 +24,7 @@ DATA = FIXTURES / "data" / "synthetic"
 
 def train(out: Path, *overrides: str) -> dict[int, float]:
     """Run the trainer on the fixtures' config; the loss of each step it logged."""
-    done = subprocess.run(
+    done = warm_launcher.run(
         [sys.executable, "-m", "megamoe.train", "--config", str(FIXTURES / "config.yaml"),
          f"output_dir={out}", f"data.prefixes=[{DATA}]", f"data.tokenizer_model={DATA}.model",
          f"data.cache_dir={out / 'cache'}", *overrides],

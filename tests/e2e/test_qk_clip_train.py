@@ -4,10 +4,10 @@ threshold is one line and exit 2. The clip's arithmetic: tests/unit/test_qk_clip
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
 
 from test_train import REPO, TINY, records, train
+import warm_launcher
 
 THRESHOLD = 0.05  # below the tiny model's logits at initialisation (about 0.25)
 
@@ -30,8 +30,8 @@ def test_max_logit_of_every_layer_is_logged_each_step(corpus_cache, tmp_path):
 
 
 def test_bad_threshold_is_one_line_exit_2(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "megamoe.train", "--config", str(TINY),
-                           f"output_dir={tmp_path / 'run'}", "optimizer.qk_clip_threshold=-1"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = warm_launcher.run([sys.executable, "-m", "megamoe.train", "--config", str(TINY),
+                              f"output_dir={tmp_path / 'run'}", "optimizer.qk_clip_threshold=-1"],
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert "optimizer.qk_clip_threshold" in done.stderr and not (tmp_path / "run").exists()

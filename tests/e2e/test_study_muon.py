@@ -3,20 +3,20 @@ megamoe.train`, then the table, JSON, curves and claim lines) and its step-ratio
 import csv
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 from tool_modules import tool_module
+import warm_launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_study_writes_table_json_and_curves(tmp_path):
     out = tmp_path / "study"
-    done = subprocess.run([sys.executable, "tools/study_muon.py", "--quick", "--jobs", "2",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    done = warm_launcher.run([sys.executable, "tools/study_muon.py", "--quick", "--jobs", "2",
+                              "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                             timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads((out / "study.json").read_text())
     grids = {name: result["best"][name]["grid"] for name in ("adamw", "muon")}
@@ -58,8 +58,8 @@ def test_steps_to_reach_interpolates_between_evaluations():
 
 
 def test_a_grid_of_two_rates_is_one_line_exit_2(tmp_path):
-    done = subprocess.run([sys.executable, "tools/study_muon.py", "--muon-lrs", "1e-3,2e-3",
-                           "--out", str(tmp_path / "x")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    done = warm_launcher.run([sys.executable, "tools/study_muon.py", "--muon-lrs", "1e-3,2e-3",
+                              "--out", str(tmp_path / "x")], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "1e-3,2e-3" in done.stderr
     assert not (tmp_path / "x").exists()

@@ -1,22 +1,22 @@
 """tools/study_routing.py --quick end to end: two variants through `python -m megamoe.train`,
 then the table, JSON, plots and one line per claim."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tool_modules import tool_module
+import warm_launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_study_writes_table_plots_and_claims(tmp_path):
     out = tmp_path / "study"
-    done = subprocess.run([sys.executable, "tools/study_routing.py", "--quick", "--out", str(out),
-                           "--variants", "aux_loss,bias"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    done = warm_launcher.run([sys.executable, "tools/study_routing.py", "--quick", "--out",
+                              str(out), "--variants", "aux_loss,bias"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads((out / "study.json").read_text())
     assert set(result["variants"]) == {"aux_loss", "bias"}
@@ -86,9 +86,9 @@ def test_every_variant_is_the_setup_it_names(tool, tmp_path, capsys):
 
 @pytest.mark.parametrize("tool", ["study_routing", "study_topp"])  # their shared command line
 def test_unknown_variant_is_one_line_exit_2(tool, tmp_path):
-    done = subprocess.run([sys.executable, f"tools/{tool}.py", "--variants", "nope",
-                           "--out", str(tmp_path / "x")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    done = warm_launcher.run([sys.executable, f"tools/{tool}.py", "--variants", "nope",
+                              "--out", str(tmp_path / "x")], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "nope" in done.stderr
     assert not (tmp_path / "x").exists()

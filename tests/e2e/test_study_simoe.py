@@ -11,15 +11,16 @@ import pytest
 import yaml
 
 from tool_modules import tool_module
+import warm_launcher
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def quick_study(out: Path, runs: Path, corpus_cache) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "tools/study_simoe.py", "--quick", "--jobs", "2",
-                           "--out", str(out), "--runs", str(runs), "--cache-dir",
-                           str(corpus_cache)], cwd=REPO, capture_output=True, text=True,
-                          timeout=900)
+    return warm_launcher.run([sys.executable, "tools/study_simoe.py", "--quick", "--jobs", "2",
+                              "--out", str(out), "--runs", str(runs), "--cache-dir",
+                              str(corpus_cache)], cwd=REPO, capture_output=True, text=True,
+                             timeout=900)
 
 
 def test_quick_study_runs_every_method_and_counts_parameters(corpus_cache, tmp_path):
@@ -70,9 +71,9 @@ def test_runs_folder_that_is_not_a_study_is_refused_untouched(tmp_path):
     mine = tmp_path / "runs" / "seed0" / "notes.txt"
     mine.parent.mkdir(parents=True)
     mine.write_text("mine")
-    done = subprocess.run([sys.executable, "tools/study_simoe.py", "--quick", "--runs",
-                           str(tmp_path / "runs"), "--out", str(tmp_path / "x")], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    done = warm_launcher.run([sys.executable, "tools/study_simoe.py", "--quick", "--runs",
+                              str(tmp_path / "runs"), "--out", str(tmp_path / "x")], cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "seed0" in done.stderr and mine.read_text() == "mine"
     assert not (tmp_path / "x").exists() and sorted(tmp_path.rglob("*")) == [
@@ -108,8 +109,8 @@ def test_standard_error_is_the_binomial_one_of_the_mean_over_seeds():
 @pytest.mark.parametrize("flag", [["--learning-rates", "1e-3,x"], ["--learning-rates", "0"],
                                   ["--jobs", "0"]])
 def test_bad_flags_are_one_line_exit_2(tmp_path, flag):
-    done = subprocess.run([sys.executable, "tools/study_simoe.py", *flag,
-                           "--out", str(tmp_path / "x")], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    done = warm_launcher.run([sys.executable, "tools/study_simoe.py", *flag,
+                              "--out", str(tmp_path / "x")], cwd=REPO, capture_output=True,
+                             text=True, timeout=120)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert flag[1] in done.stderr and not (tmp_path / "x").exists()

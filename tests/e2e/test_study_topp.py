@@ -2,20 +2,20 @@
 `python -m megamoe.train`, the trainer's eval-mode routing metrics read back into the table,
 JSON, plots and claims), and its comparison with the top-k line by hand."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 from tool_modules import tool_module
+import warm_launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_study_writes_table_plots_and_claims(tmp_path):
     out = tmp_path / "study"
-    done = subprocess.run([sys.executable, "tools/study_topp.py", "--quick", "--jobs", "2",
-                           "--out", str(out), "--variants", "top2,top_p0.4"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    done = warm_launcher.run([sys.executable, "tools/study_topp.py", "--quick", "--jobs", "2",
+                              "--out", str(out), "--variants", "top2,top_p0.4"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads((out / "study.json").read_text())
     assert set(result["variants"]) == {"top2", "top_p0.4"}

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from slurm_helpers import PRETRAIN_SCRIPT
+import warm_launcher
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny_cpu.yaml"
@@ -45,8 +46,8 @@ def train(cache: Path, out: Path, *overrides: str, nproc: int = 2, config: Path 
     """Run the trainer to completion; fail the test with its output unless it exits 0."""
     args = ["--config", str(config), f"output_dir={out}", f"data.cache_dir={cache}",
             "logging.progress_bar=false", "logging.tensorboard=false", *overrides]
-    done = subprocess.run(_command(nproc) + args, cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    done = warm_launcher.run(_command(nproc) + args, cwd=REPO, env=_env(), capture_output=True,
+                             text=True, timeout=timeout)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n" \
                                  f"{done.stderr[-3000:]}"
     return done
@@ -167,7 +168,7 @@ def test_resume_with_another_number_of_experts_is_refused(first_half, corpus_cac
     """The number of experts shapes the weights: one line naming it, exit 2, nothing written."""
     shutil.copytree(first_half, tmp_path, dirs_exist_ok=True)
     before = _snapshot(tmp_path)
-    done = subprocess.run(
+    done = warm_launcher.run(
         _command(1) + ["--config", str(TINY), f"output_dir={tmp_path}",
                        f"data.cache_dir={corpus_cache}", *RUN, "parallel.expert=1",
                        "moe.num_experts=16"],
@@ -215,10 +216,11 @@ def test_upcycled_checkpoint_starts_a_run(corpus_cache, tmp_path):
     dense = tmp_path / "dense"
     train(corpus_cache, dense, *frozen, "model.first_k_dense=4", nproc=1)
     upcycled = tmp_path / "upcycled"
-    subprocess.run([sys.executable, "tools/upcycle_ckpt.py", "--load", str(dense / "checkpoints"),
-                    "--save", str(upcycled), "--num-experts", "8", "--topk", "2",
-                    "--no-progress"], cwd=REPO, env=_env(), check=True, capture_output=True,
-                   timeout=120)
+    done = warm_launcher.run([sys.executable, "tools/upcycle_ckpt.py", "--load",
+                              str(dense / "checkpoints"), "--save", str(upcycled),
+                              "--num-experts", "8", "--topk", "2", "--no-progress"],
+                             cwd=REPO, env=_env(), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
     moe = tmp_path / "moe"
     done = train(corpus_cache, moe, *frozen, "model.first_k_dense=0", "moe.ffn_hidden_size=512",
                  "moe.router.score_function=softmax", "moe.balancing.methods=aux_loss",
@@ -262,9 +264,9 @@ def test_finished_run_exits_at_once(tmp_path):
     shutil.copytree(REPO / "tests" / "fixtures" / "mcore_checkpoints" / "mcore-0.16.1" /
                     "checkpoints", tmp_path / "checkpoints")
     start = time.monotonic()
-    done = subprocess.run(_command(1) + ["--config", str(TINY), f"output_dir={tmp_path}",
-                                         "training.train_steps=4"],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
+    done = warm_launcher.run(_command(1) + ["--config", str(TINY), f"output_dir={tmp_path}",
+                                            "training.train_steps=4"],
+                             cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "already trained 4 of 4 steps" in done.stdout and "verified" in done.stdout
     assert time.monotonic() - start < 20
@@ -299,8 +301,8 @@ def test_bad_override_is_one_line_and_exit_2(args, message, tmp_path, capsys):
 def test_bad_key_in_config_file_names_the_file(tmp_path):
     config = tmp_path / "typo.yaml"
     config.write_text(TINY.read_text().replace("  warmup_steps:", "  warmup_step:"))
-    done = subprocess.run(_command(1) + ["--config", str(config)], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=60)
+    done = warm_launcher.run(_command(1) + ["--config", str(config)], cwd=REPO, env=_env(),
+                             capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr == (f"error: unknown config key 'optimizer.warmup_step' in {config}; "
                            "did you mean 'optimizer.warmup_steps'?\n")
@@ -309,8 +311,8 @@ def test_bad_key_in_config_file_names_the_file(tmp_path):
 def test_plot_tool_writes_pngs(reference, tmp_path):
     import matplotlib.image
 
-    done = subprocess.run([sys.executable, "tools/plot_expert_load.py", str(reference), "--out",
-                           str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = warm_launcher.run([sys.executable, "tools/plot_expert_load.py", str(reference), "--out",
+                              str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     names = ["expert_load.png", "maxvio.png", "experts_per_token.png", "loss.png"]
     assert done.stdout.split() == [str(tmp_path / n) for n in names]
@@ -323,8 +325,8 @@ def test_plot_tool_writes_pngs(reference, tmp_path):
 
 
 def test_plot_tool_rejects_a_folder_without_metrics(tmp_path):
-    done = subprocess.run([sys.executable, "tools/plot_expert_load.py", str(tmp_path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    done = warm_launcher.run([sys.executable, "tools/plot_expert_load.py", str(tmp_path)], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr == f"error: no metrics file at {tmp_path / 'metrics.jsonl'}; pass a " \
                           "run's output_dir or its metrics.jsonl\n"

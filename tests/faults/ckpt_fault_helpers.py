@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_launcher
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny_cpu.yaml"
@@ -27,8 +28,8 @@ def env() -> dict:
 
 
 def run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=REPO, env=env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return warm_launcher.run(args, cwd=REPO, env=env(), capture_output=True, text=True,
+                             timeout=timeout)
 
 
 def train(cache: Path, out: Path, *overrides: str) -> subprocess.CompletedProcess:

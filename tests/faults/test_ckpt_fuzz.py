@@ -9,7 +9,6 @@ import io
 import json
 import random
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from megamoe.errors import CheckpointError, DataError
 from megamoe.train.checkpoint import interpret_common_state
 from megamoe.train.config import load_config
 from megamoe.train.indexed_check import check_indexed_dataset
+import warm_launcher
 
 FUZZ = settings(max_examples=15 if QUICK else 60, deadline=None, derandomize=QUICK,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -191,7 +191,7 @@ def test_mismatched_data_files_through_the_trainer(corpus_cache, tmp_path):
     data = (source / "text_document.bin").read_bytes()
     (tmp_path / "mixed.bin").write_bytes(data[: len(data) // 2])
     out = tmp_path / "run"
-    done = subprocess.run(
+    done = warm_launcher.run(
         [sys.executable, "-m", "megamoe.train", "--config", str(TINY), f"output_dir={out}",
          f"data.prefixes=[{tmp_path / 'mixed'}]",
          f"data.tokenizer_model={source / 'text_document.model'}", "parallel.expert=1",

@@ -8,7 +8,6 @@ few failing examples also go through the real CLI as subprocesses. CI=true runs 
 """
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
@@ -22,6 +21,7 @@ from megamoe.train import loop
 from megamoe.train.__main__ import main
 from megamoe.train.config import known_keys, load_config
 from megamoe.train.model import transformer_config
+import warm_launcher
 
 EXAMPLES = 30 if QUICK else 200
 FUZZ = settings(max_examples=EXAMPLES, deadline=None,
@@ -172,8 +172,8 @@ def test_command_lines_run_or_exit_2_with_one_line(tmp_path_factory, capsys, mon
 def test_failing_inputs_through_the_real_cli(extra):
     assume(not any("\x00" in arg for arg in extra))  # no command line can carry a NUL
     assume(isinstance(_config_or_error(extra), MegaMoEError))
-    done = subprocess.run([sys.executable, "-m", "megamoe.train", "--config", str(TINY),
-                           "output_dir=/nonexistent/never-written", *extra], cwd=REPO, env=env(),
-                          capture_output=True, text=True, timeout=120)
+    done = warm_launcher.run([sys.executable, "-m", "megamoe.train", "--config", str(TINY),
+                              "output_dir=/nonexistent/never-written", *extra], cwd=REPO, env=env(),
+                             capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr

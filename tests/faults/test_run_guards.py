@@ -9,7 +9,6 @@ moment), the checkpoints on disk, and the same run's own first pass over the rep
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 from run_harness import (
@@ -24,6 +23,7 @@ from run_harness import (
     train_command,
     trainer_args,
 )
+import warm_launcher
 
 RANKS = [2] if QUICK else [1, 2]
 BATCH = 16  # the tiny config's global batch size
@@ -43,8 +43,8 @@ def test_nan_weight_stops_the_step_before_the_update(nproc, corpus_cache, tmp_pa
     out, results = tmp_path / "run", tmp_path / "results"
     command = launcher(nproc, [str(HARNESS), str(results)]) + trainer_args(
         corpus_cache, out, _ep(nproc), "training.train_steps=8", "checkpoint.interval=2")
-    done = subprocess.run(command, cwd=REPO, env=faults("{nan_step: 5}"), capture_output=True,
-                          text=True, timeout=300)
+    done = warm_launcher.run(command, cwd=REPO, env=faults("{nan_step: 5}"), capture_output=True,
+                             text=True, timeout=300)
     assert done.returncode != 0, done.stdout[-2000:]
     per_rank = [json.loads((results / f"rank{r}.json").read_text()) for r in range(nproc)]
     for result in per_rank:
@@ -71,7 +71,7 @@ SPIKE_FACTOR = 1.2
 @pytest.mark.parametrize("nproc", RANKS)
 def test_loss_spike_rolls_back_and_skips_the_batch(nproc, corpus_cache, tmp_path):
     out = tmp_path / "run"
-    done = subprocess.run(
+    done = warm_launcher.run(
         train_command(nproc, corpus_cache, out, _ep(nproc), "training.train_steps=14",
                       "checkpoint.interval=4", "optimizer.warmup_steps=2",
                       "guards.spike_window=3", f"guards.spike_factor={SPIKE_FACTOR}",
@@ -100,7 +100,7 @@ def test_loss_spike_rolls_back_and_skips_the_batch(nproc, corpus_cache, tmp_path
 
 def test_loss_spike_with_stop_exits_without_saving(corpus_cache, tmp_path):
     out = tmp_path / "run"
-    done = subprocess.run(
+    done = warm_launcher.run(
         train_command(1, corpus_cache, out, _ep(1), "training.train_steps=14",
                       "checkpoint.interval=4", "optimizer.warmup_steps=2",
                       "guards.spike_window=3", f"guards.spike_factor={SPIKE_FACTOR}",

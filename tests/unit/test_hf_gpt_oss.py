@@ -13,6 +13,7 @@ import torch
 from megamoe.checkpointing.hf import read_hf_moe_model
 from megamoe.checkpointing.hf.gpt_oss import GateUpColumns, Transposed
 from megamoe.errors import CheckpointError
+import warm_launcher
 
 E, H, F = 3, 8, 5
 
@@ -114,15 +115,14 @@ def test_the_exported_config_is_transformers_gpt_oss_and_reads_back_as_the_same_
 
 @pytest.mark.slow
 def test_the_import_tool_refuses_in_one_line_with_exit_2_and_writes_nothing(tmp_path):
-    import subprocess
     import sys
     from pathlib import Path
 
     source = gpt_oss_config(tmp_path / "hf", swiglu_alpha=1.5)
-    done = subprocess.run([sys.executable, "tools/import_hf.py", "--load", str(source),
-                           "--save", str(tmp_path / "out"), "--no-progress"],
-                          cwd=Path(__file__).resolve().parents[2], capture_output=True,
-                          text=True, timeout=300)
+    done = warm_launcher.run([sys.executable, "tools/import_hf.py", "--load", str(source),
+                              "--save", str(tmp_path / "out"), "--no-progress"],
+                             cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                             text=True, timeout=300)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert "swiglu_alpha=1.5 is not supported" in lines[0]

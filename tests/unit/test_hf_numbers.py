@@ -5,7 +5,6 @@ importer writes, and a value that is not a number is one line. The reference for
 case is transformers' own logits (`tools/import_hf.py --verify`)."""
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from hf_models import save_tiny_hf_model
 from megamoe.checkpointing.hf_arch import megatron_lm_rotary_base, parse_hf_arch
 from megamoe.errors import CheckpointError
 from megamoe.train.config import config_from_dict
+import warm_launcher
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA = dict(model_type="llama", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
@@ -59,9 +59,9 @@ def test_fractional_rope_theta_imports_and_matches_transformers(tmp_path):
     """rope_theta 0.5 (int() made it 0, and the model NaN): the import's logits equal
     transformers' within the tool's bar, and train_config.yaml holds 0.5."""
     hf = save_tiny_hf_model("mixtral", tmp_path / "hf", rope_theta=0.5, tokenizer=True)
-    done = subprocess.run([sys.executable, "tools/import_hf.py", "--load", str(hf), "--save",
-                           str(tmp_path / "out"), "--verify", "--no-progress"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    done = warm_launcher.run([sys.executable, "tools/import_hf.py", "--load", str(hf), "--save",
+                              str(tmp_path / "out"), "--verify", "--no-progress"], cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "max |logit diff| transformers vs megamoe" in done.stdout
     written = yaml.safe_load((tmp_path / "out" / "train_config.yaml").read_text())

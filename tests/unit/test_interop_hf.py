@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from megamoe.interop.hf_export import check_expressible, export_hf  # noqa: E402
 from megamoe.ownership import MARK, outside_mark, owner  # noqa: E402
 from megamoe.train.config import config_from_dict  # noqa: E402
 from megamoe.upcycle import UpcycleRecipe, upcycle_checkpoint  # noqa: E402
+import warm_launcher
 
 REPO = Path(__file__).resolve().parents[2]
 BAR = 1e-4
@@ -272,8 +272,8 @@ def test_cli_bad_input_exit_code_2(tmp_path):
     for command in (["tools/upcycle_ckpt.py", "--load", str(hf), "--save", str(tmp_path / "o"),
                      "--num-experts", "4", "--topk", "2"],
                     ["tools/export_hf.py", "--load", str(hf), "--save", str(tmp_path / "o")]):
-        done = subprocess.run([sys.executable, *command], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=120)
+        done = warm_launcher.run([sys.executable, *command], cwd=REPO, env=env,
+                                 capture_output=True, text=True, timeout=120)
         assert done.returncode == 2, done.stderr
         assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: ")
     assert not (tmp_path / "o").exists()

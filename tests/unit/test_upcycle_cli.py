@@ -2,7 +2,6 @@
 no output left behind."""
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from tool_modules import tool_module
 from megamoe.errors import run_cli
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 from megamoe.checkpointing.torch_files import load_torch_file
+import warm_launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "upcycle_ckpt.py"
@@ -178,9 +178,9 @@ def test_verify_needs_the_head_count_when_the_checkpoint_has_no_args(ckpts, tmp_
 @pytest.mark.slow
 def test_cli_process_exit_code_and_single_error_line(tmp_path):
     save = tmp_path / "out"
-    done = subprocess.run([sys.executable, str(TOOL), "--load", str(tmp_path / "missing"),
-                           "--save", str(save), "--num-experts", "4", "--topk", "2"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    done = warm_launcher.run([sys.executable, str(TOOL), "--load", str(tmp_path / "missing"),
+                              "--save", str(save), "--num-experts", "4", "--topk", "2"],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"error: checkpoint path {tmp_path / 'missing'} does not exist"]

@@ -34,6 +34,7 @@ import os
 import re
 import runpy
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -91,6 +92,9 @@ def _become(request: dict, fds: list[int], rank_env: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update({**request["env"], **rank_env})
+    # A command it starts in turn through a shim runs as a fresh interpreter: the server runs
+    # one request at a time, and is busy with this one.
+    os.environ.pop(SOCKET_VARIABLE, None)
     kind, target, args = request["kind"], request["target"], request["args"]
     sys.argv = [target, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(target)) if kind == "script" else os.getcwd()
@@ -195,9 +199,19 @@ def _socket_path() -> str:
                                    env=os.environ.copy())
         if process.stdout.readline().strip() != b"ready":
             raise RuntimeError(f"the warm launcher did not start (exit {process.wait()})")
-        atexit.register(process.stdin.close)
+        atexit.register(_stop, process, path)
         _server.update(process=process, path=path)
     return _server["path"]
+
+
+def _stop(process: subprocess.Popen, socket_path: str) -> None:
+    """End the server (it stops when its standard input closes) and remove its socket."""
+    process.stdin.close()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    shutil.rmtree(os.path.dirname(socket_path), ignore_errors=True)
 
 
 def _free_port() -> int:

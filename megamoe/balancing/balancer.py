@@ -16,6 +16,7 @@ MaxVio_global counts a whole evaluation set; a run approximates it by pooling th
 """
 from __future__ import annotations
 
+import warnings
 from typing import Iterable, Optional, Union
 
 import torch
@@ -61,7 +62,9 @@ def step_balancing(models: Union[nn.Module, Iterable[nn.Module]],
     `step`: the optimizer step being taken, whose rate of `balancing.bias_update_schedule` the
     bias moves by (None: `balancing.bias_update_rate`). A router whose step owner leaves the bias
     to Megatron's finalize_model_grads (`megamoe.balancing.owner`) gets its other updates and
-    metrics here, never a second bias update.
+    metrics here, never a second bias update; but if finalize_model_grads did not take this
+    step's counts (a loop of one's own that never calls it), the bias is updated here, with a
+    one-time warning naming the step owner that says so.
     """
     comm = replica_comm or SingleComm()
     routers = routers_of(models)
@@ -72,9 +75,11 @@ def step_balancing(models: Union[nn.Module, Iterable[nn.Module]],
              for router in routers]
     packed = [(*s.pack(), _router_sums(r, device)) for r, s in zip(routers, stats)]
     sums = torch.cat([part for sums, _, own in packed for part in (sums, own)])
-    maxes = torch.cat([m for _, m, _ in packed])
+    untaken = torch.tensor([float(_counts_left_by_finalize(r)) for r in routers], device=device)
+    maxes = torch.cat([m for _, m, _ in packed] + [untaken])
     comm.all_reduce(sums, op="sum")
     comm.all_reduce(maxes, op="max")
+    untaken = maxes[2 * len(routers):] > 0
     metrics: dict[str, object] = {}
     offset = 0
     for index, (router, own_stats, (router_sums, _, own)) in enumerate(
@@ -90,14 +95,40 @@ def step_balancing(models: Union[nn.Module, Iterable[nn.Module]],
         if router.training:
             _end_step(router, reduced, own_summed if own.numel() else None, metrics, name)
         bias_E = router.bias_E
-        if bias_E is not None and router.training and router.step_owner.bias_by_step_balancing:
+        by_us = router.step_owner.bias_by_step_balancing or bool(untaken[index])
+        if bias_E is not None and router.training and by_us:
             balancing = router.cfg.balancing
             rate = (balancing.bias_update_rate if step is None
                     else balancing.bias_update_rate_at(step))
             with torch.no_grad():
                 bias_E += bias_update(reduced.selected_E, rate, balancing.bias_mean_centering)
+            if untaken[index]:
+                _take_counts_from_finalize(router)
         router.load.reset()
     return metrics
+
+
+def _counts_left_by_finalize(router: nn.Module) -> bool:
+    """Whether the router's bias belongs to Megatron's finalize_model_grads, which has not
+    taken this step's counts (it zeroes `local_tokens_per_expert` when it updates the bias)."""
+    counts = router._buffers.get("local_tokens_per_expert")
+    return (not router.step_owner.bias_by_step_balancing and router.training
+            and counts is not None and bool(counts.sum() > 0))
+
+
+_WARNED: set[str] = set()
+
+
+def _take_counts_from_finalize(router: nn.Module) -> None:
+    """Zero the counts finalize_model_grads would have taken, saying once per process why the
+    bias moved here."""
+    router.local_tokens_per_expert.zero_()
+    if "finalize" not in _WARNED:
+        _WARNED.add("finalize")
+        warnings.warn("step_balancing updated expert biases that the layers leave to Megatron's "
+                      "finalize_model_grads (built with moe_router_enable_expert_bias=True), "
+                      "which did not run this step; a loop that calls step_balancing builds its "
+                      "layers with step_owner=StepOwner.STEP_BALANCING", stacklevel=3)
 
 
 def _end_step(router: nn.Module, reduced: StepStatistics, own_summed: Optional[torch.Tensor],

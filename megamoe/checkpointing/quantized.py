@@ -253,12 +253,25 @@ class WeightsReader:
         packed, scale = self._packed[name]
         data, scales = self.raw.read(packed), self.raw.read(scale)
         if self.quantization.method == "fp8":
+            _check_scales(scales, f"{self.directory}: tensor {scale}")
             tensor = dequantize_fp8(data, scales, self.quantization.block, self.dtype)
         else:
             tensor = dequantize_mxfp4(data, scales, self.dtype)
         hint = " into float16 (beyond its 65504: import with --dtype bf16 or fp32)" \
             if self.dtype == torch.float16 else ""
         return require_finite(tensor, f"{self.directory}: tensor {name} dequantised{hint}")
+
+
+def _check_scales(scale_inv: torch.Tensor, what: str) -> None:
+    """FP8 block scales (the factors a block of weights is multiplied by) are not negative: a
+    quantiser writes max|W_block| / 448, so a negative one is a corrupt file, not a weight to
+    train from (non-finite ones are refused with the dequantised tensor)."""
+    negative = scale_inv < 0
+    if bool(negative.any()):
+        index = [int(i) for i in negative.nonzero()[0]]
+        raise CheckpointError(f"{what} holds {float(scale_inv[tuple(index)])!r} at {index}; "
+                              "block scales are never negative: the file is corrupt, download "
+                              "it again")
 
 
 def open_weights(directory: Path, config: dict, dtype: Optional[torch.dtype] = None

@@ -20,6 +20,7 @@ the whole tensor-parallel group's tokens, so they train the router exactly as at
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Optional
 
 from megatron.core import tensor_parallel
@@ -37,6 +38,10 @@ from megamoe.megatron.sharded_state import drop_extra_state_placeholders, moe_sh
 from megamoe.megatron.tracker import CLOCK, report_load_metrics, save_layer_statistics
 from megamoe.parallel.comm import SingleComm, as_comm
 from megamoe.routing import ROUTERS, Routing
+
+# Counted forwards after which a step that never ended is reported: more micro-batches than any
+# gradient-accumulation step runs.
+MAX_FORWARDS_PER_STEP = 4096
 
 
 class MegatronMoELayer(MoELayer):
@@ -76,6 +81,7 @@ class MegatronMoELayer(MoELayer):
                          output_init_method=config.output_layer_init_method,
                          token_comm=as_comm(pgs.tp) if tp > 1 else SingleComm())
         self._generation = CLOCK.tick()
+        self._warned_no_step = False
         report_load_metrics()
         self.config = config
         self.pg_collection = pgs
@@ -137,6 +143,24 @@ class MegatronMoELayer(MoELayer):
             if self.router.step_pending():
                 step_balancing(self, self.replica_comm)
             self.router.load.reset()
+        elif self.training:
+            self._warn_if_no_step_ends()
+
+    def _warn_if_no_step_ends(self) -> None:
+        """Say once, never silently, that this layer's step has not ended in
+        MAX_FORWARDS_PER_STEP counted forwards: nothing in the loop ends its steps (a loop of
+        one's own, with neither Megatron's MoE logging nor `step_balancing`), so its balancing
+        state (expert bias, thresholds, ...) does not move."""
+        stats = self.router.load.stats
+        if self._warned_no_step or stats is None or \
+                int(stats.microbatches) < MAX_FORWARDS_PER_STEP:
+            return
+        self._warned_no_step = True
+        warnings.warn(f"MoE layer {self.router.layer_number}: {MAX_FORWARDS_PER_STEP} forwards "
+                      f"without the end of a step (step owner {self._step_owner.value}, which "
+                      "ends it at Megatron's MoE logging); its balancing does not move. Call "
+                      "megamoe.balancing.step_balancing(model) after each optimizer step",
+                      stacklevel=2)
 
     def loss_scale(self, routing: Routing):
         """With `calculate_per_token_loss` Megatron divides every gradient by the step's token

@@ -21,15 +21,17 @@ from megamoe.errors import ConfigError
 JORDAN_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """(a, b, c) of Jordan et al.'s quintic, tuned for five steps."""
 DEFAULT_STEPS = 5
+MAX_STEPS = 100  # the iteration has long converged; each step is three matmuls per matrix
 NORM_EPS = 1e-7
 
 
 def check_newton_schulz(steps: int, coefficients: tuple[float, float, float],
                         where: str = "optimizer.muon") -> None:
     """Refuse settings the iteration cannot run with, in one line."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ConfigError(f"{where}.ns_steps={steps!r} must be an integer >= 1 "
-                          f"(Jordan et al. use {DEFAULT_STEPS})")
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS:
+        raise ConfigError(f"{where}.ns_steps={steps!r} must be an integer from 1 to {MAX_STEPS} "
+                          f"(Jordan et al. use {DEFAULT_STEPS}; more steps change nothing but "
+                          "the time each optimizer step takes)")
     if len(coefficients) != 3 or not all(
             isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c)
             for c in coefficients):

@@ -330,7 +330,7 @@ def save_checkpoint(ckpt_dir: str | Path, state: TrainState, model: torch.nn.Mod
         write_tracker(ckpt_dir, state.iteration)
         _remove(aside)
         _prune(ckpt_dir, config.checkpoint.keep_last, _PRE_RUN_VERIFIED.get(ckpt_dir),
-               state.iteration)
+               state.iteration, config.data.tokenizer)
     dist.barrier()
     if replacing:
         return (f"replaced checkpoint {final}: the folder of step {state.iteration} there was "
@@ -382,15 +382,19 @@ def _save_error(err: BaseException, tmp: Path, ckpt_dir: Path,
                            f"{kept}; run again to resume from it")
 
 
-def _prune(ckpt_dir: Path, keep_last: int, protected: Optional[Path], step: int) -> None:
+def _prune(ckpt_dir: Path, keep_last: int, protected: Optional[Path], step: int,
+           tokenizer: Optional[str]) -> None:
     """Delete all but the newest `keep_last` checkpoints up to `step`, the one just saved (0
-    keeps all), and `protected`. Newer folders, left from an abandoned trajectory, are neither
-    counted nor deleted here: each is replaced when the run reaches its step."""
+    keeps all), `protected`, and one holding the run's `data.tokenizer` (a checkpoint's
+    tokenizer/ folder, as the docs suggest passing, stays for the next resume). Newer folders,
+    left from an abandoned trajectory, are neither counted nor deleted here: each is replaced
+    when the run reaches its step."""
     if keep_last <= 0:
         return
+    read = Path(tokenizer).resolve() if tokenizer else None
     reached = [folder for folder in saved_checkpoints(ckpt_dir) if iteration_of(folder) <= step]
     for old in reached[:-keep_last]:
-        if old != protected:
+        if old != protected and not (read is not None and read.is_relative_to(old.resolve())):
             shutil.rmtree(old, ignore_errors=True)
 
 

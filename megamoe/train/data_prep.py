@@ -313,7 +313,7 @@ def preprocess(
             staged[0].write_bytes(train_sentencepiece(lines, vocab_size, model_type, workers))
             tokenizer = SentencePieceTokenizer(staged[0])
             tokenizer.path = tokenizer.model_path = str(model.resolve())
-            tokenizer.files = [model.resolve()]
+            tokenizer.files = {model.resolve(): staged[0].read_bytes()}
         dtype = token_dtype(tokenizer.vocab_size)
         writer = IndexedWriter(staged_bin, staged_bin.with_suffix(".lengths"), dtype)
         try:

@@ -96,11 +96,21 @@ def test_keep_last_prunes_only_up_to_the_step_just_saved(tmp_path):
 
     for step in (1, 2, 3, 4):
         (tmp_path / f"iter_000000{step}").mkdir()
-    _prune(tmp_path, 1, tmp_path / "iter_0000001", 2)
+    _prune(tmp_path, 1, tmp_path / "iter_0000001", 2, None)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "iter_0000001", "iter_0000002", "iter_0000003", "iter_0000004"]
-    _prune(tmp_path, 1, None, 3)
+    _prune(tmp_path, 1, None, 3, None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000003", "iter_0000004"]
+
+
+def test_keep_last_keeps_the_checkpoint_whose_tokenizer_the_run_reads(tmp_path):
+    """`data.tokenizer=<ckpt>/iter_2/tokenizer` with keep_last=1: iter_2 stays, the others go."""
+    from megamoe.train.checkpoint import _prune
+
+    for step in (1, 2, 3):
+        (tmp_path / f"iter_000000{step}" / "tokenizer").mkdir(parents=True)
+    _prune(tmp_path, 1, None, 3, str(tmp_path / "iter_0000002" / "tokenizer"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "iter_0000003"]
 
 
 # ---- metadata trusted only when well-typed --------------------------------------------------

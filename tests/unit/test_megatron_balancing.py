@@ -1,6 +1,8 @@
 """megamoe's balancing against Megatron-Core's own: its TopKRouter on identical weights and
 inputs (routing map, gates, loss values, gradients), and its `finalize_model_grads` driving
 megamoe's expert biases over several steps, with Megatron's MoE logging tracker."""
+import warnings
+
 import pytest
 import torch
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -383,3 +385,58 @@ def test_a_bias_has_one_owner(megatron):
         MegatronMoELayer(tc, moe=scheduled)
     assert "balancing.bias_update_schedule=[[100, 0.0]]" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_step_balancing_moves_a_bias_that_finalize_model_grads_never_took(megatron):
+    """A loop of one's own over layers built with moe_router_enable_expert_bias (step owner:
+    Megatron's finalize_model_grads), which never calls finalize_model_grads but calls
+    step_balancing: each step the bias moves by u * sign(mean(c) - c) of that step's counts,
+    with one warning naming the step owner; once finalize_model_grads takes the counts,
+    step_balancing leaves the bias alone."""
+    tc = tiny_transformer_config(num_layers=1, hidden_size=H, num_attention_heads=2,
+                                 num_moe_experts=E, moe_router_topk=2, moe_ffn_hidden_size=8,
+                                 moe_router_score_function="sigmoid",
+                                 moe_router_enable_expert_bias=True)
+    layer = MegatronMoELayer(tc)
+    router = layer.router
+    assert router.step_owner is StepOwner.FINALIZE_MODEL_GRADS
+    rate = router.cfg.balancing.bias_update_rate
+    expected = torch.zeros(E)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        layer(torch.randn(S, B, H, generator=generator))
+        counts = router.load.stats.selected_E.clone()
+        expected += rate * torch.sign(counts.mean() - counts)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step_balancing(layer)
+        notes = [w for w in caught if "finalize_model_grads" in str(w.message)]
+        assert len(notes) == (1 if step == 0 else 0)
+        assert "step_owner=StepOwner.STEP_BALANCING" in str(notes[0].message) if notes else True
+        torch.testing.assert_close(router.bias_E, expected, rtol=0, atol=1e-7)
+        assert float(router.local_tokens_per_expert.sum()) == 0
+    assert float(expected.abs().sum()) > 0
+    layer(torch.randn(S, B, H, generator=generator))
+    router.local_tokens_per_expert.zero_()  # what finalize_model_grads does after its update
+    step_balancing(layer)
+    torch.testing.assert_close(router.bias_E, expected, rtol=0, atol=0)
+
+
+def test_a_step_that_never_ends_is_reported_once(megatron, monkeypatch):
+    """Layers whose steps end at Megatron's MoE logging, in a loop with neither that logging nor
+    step_balancing: after MAX_FORWARDS_PER_STEP counted forwards one warning says so."""
+    import megamoe.megatron.moe_module as moe_module
+
+    monkeypatch.setattr(moe_module, "MAX_FORWARDS_PER_STEP", 3)
+    tc = tiny_transformer_config(num_layers=1, hidden_size=H, num_attention_heads=2,
+                                 num_moe_experts=E, moe_router_topk=2, moe_ffn_hidden_size=8,
+                                 moe_router_score_function="sigmoid")
+    layer = MegatronMoELayer(tc, moe=moe_config_from_transformer_config(
+        tc, {"balancing": {"methods": "bias"}}))
+    assert layer.router.step_owner is StepOwner.NEXT_FORWARD
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(6):
+            layer(torch.randn(S, B, H))
+    notes = [str(w.message) for w in caught if "without the end of a step" in str(w.message)]
+    assert len(notes) == 1 and "step_balancing(model)" in notes[0], notes

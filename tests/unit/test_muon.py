@@ -143,6 +143,7 @@ def test_untreatable_parameter_is_one_line_error():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"ns_steps": 0}, "ns_steps=0"),
+    ({"ns_steps": 10**9}, "ns_steps=1000000000 must be an integer from 1 to 100"),
     ({"ns_coefficients": (3.4445, float("nan"), 2.0315)}, "ns_coefficients"),
     ({"ns_coefficients": (3.4445, float("inf"), 2.0315)}, "ns_coefficients"),
     ({"scale": "spectral"}, "scale='spectral'"),
@@ -158,6 +159,7 @@ def test_bad_settings_are_one_line_errors(kwargs, match):
     ({"name": "mun"}, r"optimizer.name='mun' is not one of \['adamw', 'muon'\]; did you mean "
                       r"'muon'\?"),
     ({"name": "muon", "muon": {"ns_steps": 0}}, r"optimizer.muon.ns_steps=0 must be"),
+    ({"name": "muon", "muon": {"ns_steps": 1e9}}, r"optimizer.muon.ns_steps"),
     ({"name": "muon", "muon": {"ns_coefficients": [3.4445, float("nan"), 2.0315]}},
      r"optimizer.muon.ns_coefficients\[1\]"),
     ({"name": "muon", "muon": {"nsteps": 3}}, r"did you mean 'optimizer.muon.ns_steps'"),

@@ -192,6 +192,8 @@ def test_the_verify_reference_holds_what_the_import_holds(tmp_path):
     ({"proj.weight": torch.zeros(2, 3, 4, dtype=torch.float8_e4m3fn)}, "only 2-D weights"),
     ({"proj.weight": torch.zeros(37, 45, dtype=torch.float8_e5m2)}, "F8_E5M2"),
     ({"proj.weight_scale_inv": torch.full((3, 2), float("inf"))}, "NaN/Inf"),
+    ({"proj.weight_scale_inv": torch.tensor([[1.0, 1.0], [1.0, -0.5], [1.0, 1.0]])},
+     r"proj.weight_scale_inv holds -0.5 at \[1, 1\]; block scales are never negative"),
 ])
 def test_corrupt_fp8_pairs_are_one_line_naming_the_tensor(tmp_path, replace, match):
     folder, _ = _fp8_checkpoint(tmp_path / "bad", **replace)

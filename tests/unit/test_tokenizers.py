@@ -120,7 +120,7 @@ def test_lone_tokenizer_json_takes_its_end_of_text_token(tokenizers):
     tok = load_tokenizer(path)
     added = json.loads(path.read_text())["added_tokens"]
     assert tok.eod == next(t["id"] for t in added if t["content"] == "<|endoftext|>")
-    assert (tok.bos, tok.pad, tok.files) == (-1, -1, [path])
+    assert (tok.bos, tok.pad, tok.files) == (-1, -1, {path: path.read_bytes()})
 
 
 def test_fingerprint_follows_the_vocabulary_not_the_bytes(tokenizers, tmp_path):
@@ -199,6 +199,28 @@ def test_blocks_and_workers_keep_the_order(tokenizers, tmp_path, monkeypatch):
     assert not list(tmp_path.glob("bad*")) and not list(tmp_path.glob(".bad*"))
 
 
+def _set_vocab_id(document: dict, rank: int, new_id: int) -> None:
+    """Give the vocabulary's `rank`-th token (in file order) the id `new_id`."""
+    token = list(document["model"]["vocab"])[rank]
+    document["model"]["vocab"][token] = new_id
+
+
+HOSTILE_IDS = {
+    "huge-id": lambda d: _set_vocab_id(d, 3, 2**28),
+    "huge-added-id": lambda d: d["added_tokens"][0].update(id=2**31),
+    "twice": lambda d: _set_vocab_id(d, 7, 5),
+}
+
+
+def _edited_tokenizer_json(folder: Path, target: Path, edit) -> Path:
+    """A copy of the tokenizer folder whose tokenizer.json `edit` changed in place."""
+    shutil.copytree(folder, target)
+    document = json.loads((target / "tokenizer.json").read_text())
+    edit(document)
+    (target / "tokenizer.json").write_text(json.dumps(document))
+    return target
+
+
 def _bad_tokenizers(root: Path, tokenizers) -> dict:
     (root / "empty").mkdir(parents=True)
     (root / "not-a-tokenizer.json").write_text('{"vocab": {"a": 0}}')
@@ -208,7 +230,17 @@ def _bad_tokenizers(root: Path, tokenizers) -> dict:
     os.mkfifo(root / "fifo")
     with open(root / "huge.json", "wb") as f:
         f.truncate(10 << 30)  # sparse: nothing on disk
+    hostile = {name: _edited_tokenizer_json(tokenizers["qwen"], root / name, edit)
+               for name, edit in HOSTILE_IDS.items()}
+    far_eos = shutil.copytree(tokenizers["qwen-json-only"], root / "far-eos")
+    (far_eos / "generation_config.json").write_text(json.dumps({"eos_token_id": 10**9}))
     return {
+        "an id of 2^28": (hostile["huge-id"], r"id 268435456, outside \[0, \d+\)"),
+        "an added id of 2^31": (hostile["huge-added-id"], r"added_tokens gives '<\|endoftext\|>' "
+                                                          r"the id 2147483648"),
+        "an id given twice": (hostile["twice"], r"gives the id 5 to both"),
+        "an EOS beyond the vocabulary": (far_eos, r"end-of-document \(EOS\) id 1000000000 lies "
+                                                  r"outside its vocabulary"),
         "folder without tokenizer": (root / "empty", "holds no tokenizer.json"),
         "json that is no tokenizer": (root / "not-a-tokenizer.json",
                                       "is not a Hugging Face tokenizer.json"),

@@ -9,6 +9,7 @@ directly, and the token stream the datasets were written from."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -181,3 +182,23 @@ def test_a_checkpoint_folder_gets_the_tokenizer_and_the_source_configs(tokenizer
     bare.mkdir()
     write_checkpoint_files(bare, None, [imported])
     assert list(bare.iterdir()) == []
+
+
+def test_checkpoints_write_the_tokenizer_bytes_loaded_at_start(tokenizers, tmp_path):
+    """The source folder edited, then removed, mid-run (as a rotated checkpoint's tokenizer/
+    would be): each save still writes the files the run loaded and fingerprinted."""
+    source = shutil.copytree(tokenizers["qwen3_moe"][0], tmp_path / "source")
+    original = {p.name: p.read_bytes() for p in source.iterdir()}
+    tokenizer = load_tokenizer(source)
+    (source / "tokenizer.json").write_text("{}")
+    first = tmp_path / "iter_0000001"
+    first.mkdir()
+    write_checkpoint_files(first, tokenizer, [])
+    shutil.rmtree(source)
+    second = tmp_path / "iter_0000002"
+    second.mkdir()
+    write_checkpoint_files(second, tokenizer, [])
+    for saved in (first, second):
+        written = saved / "tokenizer"
+        assert (written / "tokenizer.json").read_bytes() == original["tokenizer.json"]
+        assert load_tokenizer(written).fingerprint == tokenizer.fingerprint

@@ -39,7 +39,9 @@ class Tokenizer:
     `vocab_size` (every id it emits is below it), `eod` (appended after each document), `bos`
     and `pad` (-1 when there is none; `pad` may equal `eod` and is never used for masking),
     `add_bos` (whether a document starts with `bos`, the model's own rule), `files` (what makes
-    up the tokenizer) and `fingerprint` (`base.fingerprint`); and implement `tokenize`,
+    up the tokenizer: each file's path and the bytes that were loaded from it, which are what
+    copies and checkpoints write, whatever happens to the path later) and `fingerprint`
+    (`base.fingerprint`); and implement `tokenize`,
     `tokenize_batch`, `detokenize`, `encode_document` and `document_encoder`.
     """
 
@@ -50,7 +52,7 @@ class Tokenizer:
     bos: int
     add_bos: bool
     pad: int
-    files: list[Path]
+    files: dict[Path, bytes]
     fingerprint: str
     # The model_type of the model folder it came from: transformers chooses the tokenizer class
     # (and so how text is cut) by it, so a copy of the tokenizer keeps it.

@@ -75,13 +75,53 @@ def _read_folder(folder: Path) -> dict[str, tuple[Path, bytes]]:
     return found
 
 
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_ids(ids: Iterable[tuple[str, Any]], entries: int, path: Path, where: str) -> None:
+    """Every (token, id) of `where` in `path` has an integer id in [0, entries), no id twice:
+    ids index the tables a tokenizer library builds, so an id far beyond the number of entries
+    costs memory in proportion to the id (an 8 KB file with one id of 2^31 took 8.6 GB)."""
+    seen: dict[int, str] = {}
+    for token, token_id in ids:
+        if not _is_id(token_id) or not 0 <= token_id < entries:
+            raise DataError(f"{path}: {where} gives {token!r} the id {token_id!r}, outside "
+                            f"[0, {entries}) (the file has {entries} entries); restore the "
+                            "tokenizer file the model ships")
+        if token_id in seen:
+            raise DataError(f"{path}: {where} gives the id {token_id} to both {seen[token_id]!r} "
+                            f"and {token!r}; restore the tokenizer file the model ships")
+        seen[token_id] = token
+
+
+def _check_tokenizer_json(text: str, path: Path) -> int:
+    """Refuse ids outside the number of entries, or given twice, in a tokenizer.json's
+    vocabulary and added tokens, before the tokenizers library reads it; returns the number of
+    entries (the bound of every id)."""
+    document = parse_json(text, DataError, str(path))
+    model = document.get("model") if isinstance(document, dict) else None
+    added = document.get("added_tokens") if isinstance(document, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    added = added if isinstance(added, list) else []
+    added = [token for token in added if isinstance(token, dict)]
+    entries = (len(vocab) if isinstance(vocab, (dict, list)) else 0) + len(added)
+    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel: token -> id (Unigram: a list)
+        _check_ids(vocab.items(), entries, path, "model.vocab")
+    _check_ids(((token.get("content"), token.get("id")) for token in added), entries, path,
+               "added_tokens")
+    return entries
+
+
 def _check_files(files: dict[str, tuple[Path, bytes]]) -> dict[str, Any]:
-    """Refuse, in one line naming the file, what is not what its name says; return the parsed
-    JSON configs."""
+    """Refuse, in one line naming the file, what is not what its name says, and ids beyond the
+    number of entries; return the parsed JSON configs."""
     configs = {}
+    entries = 0
     for name, (path, raw) in files.items():
         if name == TOKENIZER_JSON:
             text = decode_utf8(raw, DataError, str(path))
+            entries = _check_tokenizer_json(text, path)
             try:
                 BackendTokenizer.from_str(text)
             except Exception as err:  # the tokenizers library's parse errors have no common type
@@ -90,14 +130,32 @@ def _check_files(files: dict[str, tuple[Path, bytes]]) -> dict[str, Any]:
                                 "tokenizer.json a model ships (the tokenizers library's "
                                 "serialization)") from None
         elif name == SENTENCEPIECE_MODEL:
-            load_proto(raw, path)
+            entries = max(entries, load_proto(raw, path).get_piece_size())
         else:
             value = parse_json(decode_utf8(raw, DataError, str(path)), DataError, str(path))
             if not isinstance(value, dict):
                 raise DataError(f"{path} holds a JSON {type(value).__name__}, not an object; "
                                 "restore the file the model ships")
             configs[name] = value
+    _check_added_token_files(files, configs, entries)
     return configs
+
+
+def _check_added_token_files(files: dict[str, tuple[Path, bytes]], configs: dict[str, Any],
+                             entries: int) -> None:
+    """The ids tokenizer_config.json's added_tokens_decoder and added_tokens.json name lie
+    within the vocabulary plus the tokens they add."""
+    decoder = configs.get("tokenizer_config.json", {}).get("added_tokens_decoder")
+    if isinstance(decoder, dict):
+        def as_id(key: str) -> Any:
+            return int(key) if key.isdigit() and len(key) <= 12 else key
+        _check_ids(((token.get("content") if isinstance(token, dict) else token, as_id(key))
+                    for key, token in decoder.items()), entries + len(decoder),
+                   files["tokenizer_config.json"][0], "added_tokens_decoder")
+    added = configs.get("added_tokens.json")
+    if added:
+        _check_ids(added.items(), entries + len(added), files["added_tokens.json"][0],
+                   "added_tokens.json")
 
 
 @contextlib.contextmanager
@@ -180,7 +238,7 @@ class HuggingFaceTokenizer(Tokenizer):
                 source, MAX_TOKENIZER_BYTES, DataError, f"tokenizer file {source}"))}
         configs = _check_files(files)
         self.kind = "huggingface" if TOKENIZER_JSON in files else "sentencepiece"
-        self.files = [p for name, (p, _) in files.items() if name != MODEL_CONFIG]
+        self.files = {p: raw for name, (p, raw) in files.items() if name != MODEL_CONFIG}
         model_type = configs.get(MODEL_CONFIG, {}).get("model_type")
         self.model_type = model_type if isinstance(model_type, str) else None
         self._hf = hf = _build(files, source)
@@ -192,11 +250,17 @@ class HuggingFaceTokenizer(Tokenizer):
                             "its tokenizers backend, which megamoe cannot reproduce; report it "
                             "with the model's name")
         vocab = backend.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(max(vocab.values(), default=-1) + 1, len(hf))
         self.eod = _end_of_document(hf, backend, configs, source)
         self.bos = -1 if hf.bos_token_id is None else int(hf.bos_token_id)
         self.pad = -1 if hf.pad_token_id is None else int(hf.pad_token_id)
+        for role, token_id in (("end-of-document (EOS)", self.eod), ("BOS", self.bos),
+                               ("pad", self.pad)):
+            if token_id >= self.vocab_size:
+                raise DataError(f"tokenizer {source}: the {role} id {token_id} lies outside its "
+                                f"vocabulary of {self.vocab_size} ids (tokenizer_config.json, "
+                                "generation_config.json); restore the files the model ships")
         self.add_bos = self.bos >= 0 and backend.encode("").ids[:1] == [self.bos]
-        self.vocab_size = max(max(vocab.values(), default=-1) + 1, len(hf), self.eod + 1)
         special = {i: t.content for i, t in backend.get_added_tokens_decoder().items()
                    if t.special}
         backend_rules = json.loads(self._serialized)

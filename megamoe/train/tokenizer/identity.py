@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from megamoe.atomic import atomic_directory, atomic_write_text
-from megamoe.bounded import read_bytes_bounded, read_json, regular_file_size
+from megamoe.bounded import read_json, regular_file_size
 from megamoe.errors import DataError
 from megamoe.train.tokenizer.base import Tokenizer
 from megamoe.train.tokenizer.hf import (MODEL_CONFIG, TOKENIZER_JSON, HuggingFaceTokenizer,
@@ -67,15 +67,14 @@ def copy_tokenizer(tokenizer: Tokenizer, folder: str | os.PathLike,
 
 
 def write_tokenizer_files(tokenizer: Tokenizer, folder: Path) -> list[str]:
-    """Write the files of `tokenizer` into the existing `folder`, byte for byte, a lone file
-    under the name a model folder gives it (so the folder loads as the file did); returns their
-    names."""
+    """Write the files of `tokenizer` into the existing `folder`, the bytes it was loaded (and
+    fingerprinted) from, not what its source paths hold now, a lone file under the name a model
+    folder gives it (so the folder loads as the file did); returns their names."""
     single = {"sentencepiece": "tokenizer.model", "huggingface": TOKENIZER_JSON}[tokenizer.kind]
     names = []
-    for source in tokenizer.files:
+    for source, data in tokenizer.files.items():
         name = single if len(tokenizer.files) == 1 else source.name
-        (folder / name).write_bytes(read_bytes_bounded(source, MAX_MODEL_BYTES, DataError,
-                                                       f"tokenizer file {source}"))
+        (folder / name).write_bytes(data)
         names.append(name)
     return names
 

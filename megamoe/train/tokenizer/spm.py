@@ -103,7 +103,7 @@ class SentencePieceTokenizer(Tokenizer):
         proto = read_bytes_bounded(self.path, MAX_MODEL_BYTES, DataError,
                                    f"tokenizer model {model_path}")
         self._sp = load_proto(proto, model_path)
-        self.files = [Path(self.path)]
+        self.files = {Path(self.path): proto}
         self.vocab_size = self._sp.get_piece_size()
         self.eod = self._sp.eos_id()
         self.bos = self._sp.bos_id()

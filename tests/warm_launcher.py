@@ -17,7 +17,9 @@ otherwise the other ranks get SIGTERM (SIGKILL 30 s later) and the exit status i
 Shell scripts (the documentation's bash blocks) get the same through `shim_environment()`: a
 PATH whose `python` and `torchrun` are this file run as a client (`python warm_launcher.py
 python ARGS...`), which hands the command to the server, or, when the server cannot run it,
-replaces itself with the real program.
+replaces itself with the real program. In a forked child `sys.executable` is that `python`
+shim, so what the command starts in turn with `sys.executable` (a study's trainer runs, their
+torchrun) is served warm as well; the server runs requests side by side.
 
 What still needs a fresh interpreter runs as one: interpreter flags (`-X importtime`, `-c`),
 torchrun with other options than `--standalone --nproc-per-node=N`, a command given its own
@@ -92,9 +94,6 @@ def _become(request: dict, fds: list[int], rank_env: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update({**request["env"], **rank_env})
-    # A command it starts in turn through a shim runs as a fresh interpreter: the server runs
-    # one request at a time, and is busy with this one.
-    os.environ.pop(SOCKET_VARIABLE, None)
     kind, target, args = request["kind"], request["target"], request["args"]
     sys.argv = [target, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(target)) if kind == "script" else os.getcwd()
@@ -104,13 +103,17 @@ def _become(request: dict, fds: list[int], rank_env: dict) -> None:
         runpy.run_path(target, run_name="__main__")
 
 
-def _fork_ranks(request: dict, fds: list[int], closing: list[socket.socket]) -> list[int]:
+def _fork_ranks(request: dict, fds: list[int], closing: list[socket.socket],
+                executable: str) -> list[int]:
     pids = []
     for rank_env in request["ranks"]:
         pid = os.fork()
         if pid == 0:
             for sock in closing:
                 sock.close()
+            # What the command starts in turn with sys.executable (a study's trainer runs, a
+            # torchrun) goes through the shim, so it is served warm too.
+            sys.executable = executable
             try:
                 _become(request, fds, rank_env)
             except SystemExit:
@@ -123,26 +126,33 @@ def _fork_ranks(request: dict, fds: list[int], closing: list[socket.socket]) -> 
     return pids
 
 
-def _wait_like_torchrun(pids: list[int]) -> int:
-    """The exit status of one process; of several, 0 if all exit 0, else 1 once the others are
-    stopped (SIGTERM, then SIGKILL after _TORCHRUN_STOP_S), as torchrun ends."""
-    codes: dict[int, int] = {}
-    stop_at = None
-    while len(codes) < len(pids):
-        pid, status = os.waitpid(-1, 0 if stop_at is None else os.WNOHANG)
-        if pid:
-            codes[pid] = os.waitstatus_to_exitcode(status)
-            if codes[pid] != 0 and stop_at is None and len(pids) > 1:
-                stop_at = time.monotonic() + _TORCHRUN_STOP_S
-                _signal([p for p in pids if p not in codes], signal.SIGTERM)
-        elif time.monotonic() > stop_at:
-            _signal([p for p in pids if p not in codes], signal.SIGKILL)
-            stop_at = float("inf")
-        else:
-            time.sleep(0.1)
-    if len(pids) == 1:
-        return codes[pids[0]]
-    return 0 if not any(codes.values()) else 1
+class _Running:
+    """One request's processes: their exit statuses as they end, and torchrun's way of ending
+    several (the others get SIGTERM when one fails, SIGKILL _TORCHRUN_STOP_S later)."""
+
+    def __init__(self, conn: socket.socket, pids: list[int]) -> None:
+        self.conn, self.pids = conn, pids
+        self.codes: dict[int, int] = {}
+        self.stop_at: Optional[float] = None
+
+    def running(self) -> list[int]:
+        return [pid for pid in self.pids if pid not in self.codes]
+
+    def exited(self, pid: int, code: int) -> None:
+        self.codes[pid] = code
+        if code != 0 and self.stop_at is None and len(self.pids) > 1:
+            self.stop_at = time.monotonic() + _TORCHRUN_STOP_S
+            _signal(self.running(), signal.SIGTERM)
+
+    def stop_overdue(self) -> None:
+        if self.stop_at is not None and time.monotonic() > self.stop_at:
+            _signal(self.running(), signal.SIGKILL)
+            self.stop_at = float("inf")
+
+    def returncode(self) -> int:
+        if len(self.pids) == 1:
+            return self.codes[self.pids[0]]
+        return 0 if not any(self.codes.values()) else 1
 
 
 def _signal(pids: Sequence[int], signum: int) -> None:
@@ -153,9 +163,45 @@ def _signal(pids: Sequence[int], signum: int) -> None:
             pass
 
 
+def _start(listener: socket.socket, requests: list[_Running], executable: str,
+           socket_path: str) -> _Running:
+    """Accept one request and fork its processes."""
+    conn, _ = listener.accept()
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+    request = _receive(conn, 60, bytearray(data))
+    request["env"][SOCKET_VARIABLE] = socket_path
+    pids = _fork_ranks(request, fds, [listener, conn, *(r.conn for r in requests)], executable)
+    for fd in fds:
+        os.close(fd)
+    _send(conn, {"pids": pids})
+    return _Running(conn, pids)
+
+
+def _reap(requests: list[_Running]) -> None:
+    """Collect every child that ended; answer and forget each request whose processes all
+    ended."""
+    owner = {pid: request for request in requests for pid in request.pids}
+    while owner:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        if pid in owner:
+            owner[pid].exited(pid, os.waitstatus_to_exitcode(status))
+    for request in list(requests):
+        request.stop_overdue()
+        if not request.running():
+            _send(request.conn, {"returncode": request.returncode()})
+            request.conn.close()
+            requests.remove(request)
+
+
 def serve(socket_path: str, preload: Sequence[str]) -> None:
-    """Import `preload`, then run each request on `socket_path` in forked children, one request
-    at a time, until standard input closes (the test session ended)."""
+    """Import `preload`, then run each request on `socket_path` in forked children, several at
+    once (a command may start others through the shim), until standard input closes (the test
+    session ended)."""
     import importlib
     import warnings
 
@@ -166,21 +212,19 @@ def serve(socket_path: str, preload: Sequence[str]) -> None:
                 importlib.import_module(name)
         except ImportError:
             pass
+    executable = _write_shims(Path(socket_path).parent / "bin")["python"]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
-    listener.listen(8)
+    listener.listen(16)
     print("ready", flush=True)
-    while sys.stdin not in select.select([listener, sys.stdin], [], [])[0]:
-        conn, _ = listener.accept()
-        with conn:
-            data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
-            buffer = bytearray(data)
-            request = _receive(conn, 60, buffer)
-            pids = _fork_ranks(request, fds, [listener, conn])
-            for fd in fds:
-                os.close(fd)
-            _send(conn, {"pids": pids})
-            _send(conn, {"returncode": _wait_like_torchrun(pids)})
+    requests: list[_Running] = []
+    while True:
+        ready = select.select([listener, sys.stdin], [], [], 0.05 if requests else None)[0]
+        if sys.stdin in ready:
+            break
+        if listener in ready:
+            requests.append(_start(listener, requests, executable, socket_path))
+        _reap(requests)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,14 +349,23 @@ def run(args: Sequence[str], *, cwd=None, env: Optional[dict] = None,
     return subprocess.CompletedProcess(list(args), code, stdout, stderr)
 
 
-def shim_environment(shim_dir: Path, path: str) -> dict[str, str]:
-    """PATH (`path` after `shim_dir`) and the server's socket for a shell whose `python` and
-    `torchrun` should run warm: `shim_dir` gets the two scripts."""
+def _write_shims(shim_dir: Path) -> dict[str, str]:
+    """`python` and `torchrun` scripts in `shim_dir` that run this file as a client (the real
+    interpreter, `python warm_launcher.py PROGRAM ARGS...`); {program: path}."""
     shim_dir.mkdir(parents=True, exist_ok=True)
+    shims = {}
     for program in ("python", "torchrun"):
         shim = shim_dir / program
         shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{__file__}" {program} "$@"\n')
         shim.chmod(0o755)
+        shims[program] = str(shim)
+    return shims
+
+
+def shim_environment(shim_dir: Path, path: str) -> dict[str, str]:
+    """PATH (`path` after `shim_dir`) and the server's socket for a shell whose `python` and
+    `torchrun` should run warm: `shim_dir` gets the two scripts."""
+    _write_shims(shim_dir)
     return {"PATH": f"{shim_dir}{os.pathsep}{path}",
             SOCKET_VARIABLE: _socket_path()}
 

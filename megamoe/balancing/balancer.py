@@ -111,7 +111,7 @@ def step_balancing(models: Union[nn.Module, Iterable[nn.Module]],
 def _counts_left_by_finalize(router: nn.Module) -> bool:
     """Whether the router's bias belongs to Megatron's finalize_model_grads, which has not
     taken this step's counts (it zeroes `local_tokens_per_expert` when it updates the bias)."""
-    counts = router._buffers.get("local_tokens_per_expert")
+    counts = getattr(router, "local_tokens_per_expert", None)
     return (not router.step_owner.bias_by_step_balancing and router.training
             and counts is not None and bool(counts.sum() > 0))
 

@@ -202,6 +202,7 @@ def serve(socket_path: str, preload: Sequence[str]) -> None:
     """Import `preload`, then run each request on `socket_path` in forked children, several at
     once (a command may start others through the shim), until standard input closes (the test
     session ended)."""
+    import gc
     import importlib
     import warnings
 
@@ -212,6 +213,9 @@ def serve(socket_path: str, preload: Sequence[str]) -> None:
                 importlib.import_module(name)
         except ImportError:
             pass
+    # Children share the imported modules' pages until they write them; a collection in a
+    # child would write every object's header (and so copy its page) but for frozen objects.
+    gc.freeze()
     executable = _write_shims(Path(socket_path).parent / "bin")["python"]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)

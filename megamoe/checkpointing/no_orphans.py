@@ -9,12 +9,17 @@ initializer that asks the kernel to SIGKILL it when its parent dies (prctl PR_SE
 and puts its queue into the global Megatron reads, so Megatron never starts its own. Megatron
 0.16.1 also forks one short-lived writer process per bucket; `os.register_at_fork` gives every
 process the rank forks the same parent-death signal.
+
+The queue's items cross the manager as pickled bytes (`_BytesQueue`): were they Megatron's write
+results themselves, the manager would unpickle them and so import torch, ~5 s of CPU and ~270 MB
+in every rank that saves.
 """
 from __future__ import annotations
 
 import ctypes
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import sys
 from multiprocessing.managers import SyncManager
@@ -31,6 +36,24 @@ def die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+class _BytesQueue:
+    """The part of a queue Megatron's writer uses (`put`, `get`, `get_nowait`), over a manager
+    queue that holds each item pickled, so the manager process never unpickles one. Items come
+    only from this rank's own writer processes."""
+
+    def __init__(self, queue) -> None:
+        self._queue = queue
+
+    def put(self, item, *args, **kwargs) -> None:
+        self._queue.put(pickle.dumps(item), *args, **kwargs)
+
+    def get(self, *args, **kwargs):
+        return pickle.loads(self._queue.get(*args, **kwargs))
+
+    def get_nowait(self):
+        return pickle.loads(self._queue.get_nowait())
+
+
 def own_write_results_queue() -> None:
     """Give Megatron's checkpoint writer a results queue whose manager dies with this rank
     (idempotent; call before the first `dist_checkpointing.save`)."""
@@ -40,7 +63,7 @@ def own_write_results_queue() -> None:
 
     manager = SyncManager(ctx=mp.get_context("spawn"))
     manager.start(initializer=die_with_parent)
-    filesystem_async._results_queue = manager.Queue()
+    filesystem_async._results_queue = _BytesQueue(manager.Queue())
     if "fork_hook" not in _state:
         os.register_at_fork(after_in_child=die_with_parent)
         _state["fork_hook"] = True

@@ -8,6 +8,10 @@ Tiers (docs/testing.md):
   tests/distributed, tests/e2e and tests/faults is `slow` unless marked `quick`
   (SLOW_DIRECTORIES).
 
+Workers (pytest-xdist, `-n 2 --dist loadgroup`): the tests of one file run in one worker, and so
+do all the files that read one of SHARED_FIXTURE_GROUPS' session fixtures, so each such fixture is
+built once per run; the default corpus is built once for all workers (`build_once`).
+
 Megatron's torch.compile-based jit fuser costs seconds per first call on CPU, so TorchDynamo is
 off for every test.
 """
@@ -17,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from shared_builds import build_once
+
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 # A test that needs an optional package that is not installed is skipped, naming it.
@@ -25,6 +31,9 @@ pytest_plugins = ("optional_deps",)
 QUICK_BUDGET_S = 10.0
 SHARED_FIXTURE_BUDGET_S = 60.0
 SLOW_DIRECTORIES = ("distributed", "e2e", "faults")
+# Session fixtures whose files share one xdist worker: {fixture: group}.
+SHARED_FIXTURE_GROUPS = {"ckpt_dir": "ep-worlds", "world1": "ep-worlds", "world2": "ep-worlds",
+                         "world4": "ep-worlds", "cluster": "slurm-cluster"}
 _TESTS = Path(__file__).parent
 
 
@@ -39,7 +48,28 @@ def _in_slow_directory(item) -> bool:
     return relative.parts[0] in SLOW_DIRECTORIES
 
 
+def _group_for_workers(items) -> None:
+    """An `xdist_group` per test file, or the SHARED_FIXTURE_GROUPS group of any session fixture
+    one of its tests reads."""
+    groups: dict[str, str] = {}
+    for item in items:
+        path = str(item.fspath)
+        shared = sorted({SHARED_FIXTURE_GROUPS[name] for name in item.fixturenames
+                         if name in SHARED_FIXTURE_GROUPS})
+        groups[path] = shared[0] if shared else groups.get(path, path)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[str(item.fspath)]))
+
+
+@pytest.hookimpl(wrapper=True)  # before pytest-xdist's hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
+    if getattr(config.option, "loadgroup", False):  # an xdist worker of `--dist loadgroup`
+        _group_for_workers(items)
+    _select_tier(config, items)
+    return (yield)
+
+
+def _select_tier(config, items) -> None:
     for item in items:
         if _in_slow_directory(item) and item.get_closest_marker("quick") is None:
             item.add_marker(pytest.mark.slow)
@@ -113,6 +143,8 @@ def corpus_cache(tmp_path_factory) -> Path:
     """The default corpus and its tokenizer, built once per test session for every suite."""
     from megamoe.train.corpus import ensure_default_dataset
 
-    cache = tmp_path_factory.getbasetemp() / "megamoe-corpus"
-    ensure_default_dataset(cache, progress=False)
-    return cache
+    return build_once(tmp_path_factory, "megamoe-corpus",
+                      lambda cache: ensure_default_dataset(cache, progress=False))
+
+
+

@@ -18,7 +18,6 @@ import os
 import re
 import runpy
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -167,12 +166,6 @@ def without_pip_install(script: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # Working directories and running
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
 class Workdir:
     """A file's working directory: the repository paths blocks use (COPIED, LINKED), a HOME of
@@ -213,7 +206,7 @@ class Workdir:
                 "HOME": str(self.home), "TORCHDYNAMO_DISABLE": "1", "PYTHONUNBUFFERED": "1",
                 "WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1", "MPLBACKEND": "Agg",
-                "PET_MASTER_PORT": str(free_port())}
+                "PET_MASTER_PORT": str(warm_launcher.free_port())}
 
 
 def run_bash(block: Block, script: str, workdir: Workdir, timeout: float) -> float:

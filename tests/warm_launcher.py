@@ -262,7 +262,8 @@ def _stop(process: subprocess.Popen, socket_path: str) -> None:
     shutil.rmtree(os.path.dirname(socket_path), ignore_errors=True)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -293,7 +294,7 @@ def _rank_environments(processes: int) -> list[dict[str, str]]:
     """What torchrun --standalone sets for each of its worker processes on one node."""
     if processes == 1:
         return [{}]
-    shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
               "WORLD_SIZE": str(processes), "LOCAL_WORLD_SIZE": str(processes),
               "GROUP_RANK": "0", "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(processes),
               "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",

@@ -6,7 +6,6 @@ a JSON file that the test checks.
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +14,10 @@ HERE = Path(__file__).resolve().parent
 TOL = 1e-4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tp2_and_pp2_dense_checkpoints_upcycle_and_load(tmp_path):
-    port = _free_port()
+    from warm_launcher import free_port  # not at the top: the ranks run this file as a script
+
+    port = free_port()
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",

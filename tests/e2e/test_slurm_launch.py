@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import subprocess
 import sys
+
 import pytest
 
 import local_cluster
+import warm_launcher
 from slurm_helpers import PRETRAIN_SCRIPT
 
 # One torchrun per node, rendezvous on the allocation's first node, exactly as pretrain_moe.sh does.
@@ -44,17 +45,11 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_rendezvous_spans_both_nodes(cluster, tmp_path):
     (tmp_path / "job.sh").write_text(RENDEZVOUS_JOB)
     (tmp_path / "allreduce.py").write_text(ALLREDUCE)
     log = tmp_path / "job.out"
-    env = {"PYTHON": sys.executable, "RDZV_PORT": str(_free_port())}
+    env = {"PYTHON": sys.executable, "RDZV_PORT": str(warm_launcher.free_port())}
     result = cluster.run_job(tmp_path / "job.sh", sbatch_args=["--nodes=2", f"--output={log}"],
                              cwd=tmp_path, env=env, timeout=180)
     text = log.read_text()

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -333,12 +332,6 @@ def test_plot_tool_rejects_a_folder_without_metrics(tmp_path):
     assert not (tmp_path / "plots").exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_sbatch_two_nodes_trains_then_resumes(cluster, corpus_cache, tmp_path):
     """launch/pretrain_moe.sh on a real two-node Slurm cluster: one trainer per node forms one
     EP=2 run; the first job stops at training.exit_interval with a checkpoint, the same
@@ -354,7 +347,7 @@ def test_sbatch_two_nodes_trains_then_resumes(cluster, corpus_cache, tmp_path):
         log = tmp_path / f"job{job}.out"
         result = cluster.run_job(PRETRAIN_SCRIPT, *args, cwd=REPO, timeout=240,
                                  sbatch_args=["--nodes=2", f"--output={log}"],
-                                 env={**env, "RDZV_PORT": str(_free_port())})
+                                 env={**env, "RDZV_PORT": str(warm_launcher.free_port())})
         text = log.read_text()
         assert result.state == "COMPLETED", f"job {job}: {result.state} {result.exit_code}\n{text}"
         logs.append(text)

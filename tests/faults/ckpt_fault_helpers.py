@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import warm_launcher
+from shared_builds import build_once
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny_cpu.yaml"
@@ -77,17 +77,14 @@ def pickled(obj) -> bytes:
     return pickle.dumps(obj, protocol=4)
 
 
-# The fixtures below are imported by several modules, so each module gets its own instance;
-# they keep their products in the session's base temporary folder to build each only once.
+# The fixture below is imported by several modules, so each module gets its own instance; it
+# keeps its product in the run's base temporary folder to build it only once.
 
 @pytest.fixture(scope="session")
 def trained_run(corpus_cache, tmp_path_factory) -> Path:
     """A finished SMALL_RUN: OUTPUT/checkpoints/iter_0000001..3 and the tracker (3)."""
-    out = tmp_path_factory.getbasetemp() / "ckpt-trained"
-    finished = out.with_name(out.name + ".finished")
-    if not finished.exists():
-        shutil.rmtree(out, ignore_errors=True)
+    def build(out: Path) -> None:
         done = train(corpus_cache, out)
         assert done.returncode == 0, done.stderr[-3000:]
-        finished.touch()
-    return out
+
+    return build_once(tmp_path_factory, "ckpt-trained", build)

@@ -73,7 +73,8 @@ from megamoe.checkpointing.torch_files import first_line
 from megamoe.errors import CheckpointError, MegaMoEError
 from megamoe.megatron import compat
 from megamoe.train.checkpoint_schema import (FORMAT_VERSION, TOKENIZER_KEY, SettingChange,
-                                             check_compatible, is_megamoe_state, saved_position,
+                                             check_compatible, is_megamoe_state,
+                                             optimizer_changes, saved_position,
                                              training_changes, upgraded)
 from megamoe.train.checkpoint_shapes import check_weights_fit, recorded_sections
 from megamoe.train.checkpoint_tokenizer import (check_checkpoint_tokenizer, tokenizer_record,
@@ -485,7 +486,8 @@ def check_start(folder: Path, tokenizer, config: TrainConfig,
     elif is_megamoe_state(common):
         saved_config = upgraded(common, folder).get("config")
         check_resumed_optimizer(saved_config, config.optimizer.name, folder)
-        changes = check_compatible(saved_config, config, folder)
+        changes = (check_compatible(saved_config, config, folder)
+                   + optimizer_changes(saved_config, config, folder))
     else:
         changes = []  # Megatron-LM's records its args, checked when it loads
     check_checkpoint_tokenizer(common, folder, tokenizer, config, _rank0())

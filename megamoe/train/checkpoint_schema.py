@@ -37,8 +37,9 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 from megamoe.checkpointing.layout import TrainState
 from megamoe.errors import CheckpointError, MegaMoEError
 from megamoe.registry import ROUTERS
-from megamoe.settings import MODEL, TRAINING, flat_values, setting_roles, walk_fields
+from megamoe.settings import MODEL, TRAINING, build, flat_values, setting_roles, walk_fields
 from megamoe.train.config import TrainConfig, config_from_dict
+from megamoe.train.settings.optimizer import OptimizerConfig
 from megamoe.train.settings.moe import nest_moe_section
 
 FORMAT_VERSION = 2
@@ -265,6 +266,33 @@ def check_compatible(saved: Any, config: TrainConfig, path: Path) -> list[Settin
                 f"the config says {setting.new!r}; {setting.name} is a model setting: use the "
                 "checkpoint's value or a new checkpoint.dir")
         changes.append(SettingChange(setting.name, setting.old, setting.new))
+    return changes
+
+
+def optimizer_changes(saved: Any, config: TrainConfig, path: Path) -> list[SettingChange]:
+    """The optimizer settings, and `training.grad_clip`, that a resumed run's `config` changes
+    from those its checkpoint's saved config records (those it does not record are not
+    compared). Each takes effect from the resumed step: the schedule is a function of the step,
+    the clip and QK-clip are built from the config, and every step sets each parameter group's
+    rate, weight decay, betas and eps from it (`schedule.apply_step_settings`; Muon keeps its
+    own settings on load). `optimizer.name` is checked before (`check_resumed_optimizer`)."""
+    saved = saved if isinstance(saved, dict) else {}
+    raw, changes = saved.get("optimizer"), []
+    if isinstance(raw, dict):
+        try:
+            old = build(OptimizerConfig, raw, "optimizer", f"in the saved config of {path}")
+        except MegaMoEError as err:
+            raise CheckpointError(f"checkpoint {path} records optimizer settings this megamoe "
+                                  f"cannot read ({err}); use the megamoe release that wrote "
+                                  "it") from None
+        changes += [SettingChange(s.name, s.old, s.new)
+                    for s in _compared(old, config.optimizer, "optimizer.", raw)
+                    if s.written and s.old != s.new]
+    training = saved.get("training")
+    if isinstance(training, dict) and "grad_clip" in training and \
+            training["grad_clip"] != config.training.grad_clip:
+        changes.append(SettingChange("training.grad_clip", training["grad_clip"],
+                                     config.training.grad_clip))
     return changes
 
 

@@ -1,7 +1,9 @@
 """The pretraining loop: set up Megatron-Core, build data, model and engine, resume, train, save.
 
 One optimizer step:
-1. learning rate from the schedule (a function of the step);
+1. learning rate from the schedule (a function of the step), set with the config's weight
+   decay, betas and eps on every parameter group as Megatron-LM's scheduler does (`lr_mult`,
+   `wd_mult`: no decay on biases and norms; `apply_step_settings`);
 2. forward and backward of all micro-batches, gradients reduced over data-parallel replicas
    (Megatron-Core's DDP, distributed optimizer and pipeline schedules in `Engine`, on CPU and
    GPU alike), and the global gradient norm;
@@ -60,7 +62,7 @@ from megamoe.train.methods import Evaluation, TrainingMethod, training_method
 from megamoe.train.metrics import MetricsLogger
 from megamoe.train.model import build_model, transformer_config
 from megamoe.train.run_lock import lock_output_dir
-from megamoe.train.schedule import LRSchedule, set_learning_rate
+from megamoe.train.schedule import LRSchedule, apply_step_settings
 from megamoe.train.signals import StopRequest
 from megamoe.train.tokenizer import Tokenizer
 
@@ -250,7 +252,7 @@ def _train(run: _Run, stop: StopRequest) -> None:
             state = TrainState(state.iteration, state.consumed_samples + batch_size)
         batches = _inject_faults(run, step, state.consumed_samples)
         lr = schedule(step)
-        set_learning_rate(engine.optimizer, lr)
+        apply_step_settings(engine.optimizer, config.optimizer, lr)
         if tracer is not None:
             tracer.reset()
         totals = engine.forward_backward(batches, run.num_microbatches, step)

@@ -43,7 +43,17 @@ class LRSchedule:
         return self.min_lr + (self.lr - self.min_lr) * fraction
 
 
-def set_learning_rate(optimizer, lr: float) -> None:
-    """Set `lr` on every parameter group (torch and Megatron-Core optimizers alike)."""
+def apply_step_settings(optimizer, settings: OptimizerConfig, lr: float) -> None:
+    """Each parameter group's settings for a step, as Megatron-LM's `OptimizerParamScheduler`
+    sets them: the rate `lr` x the group's `lr_mult` and the weight decay x its `wd_mult`
+    (Megatron-Core gives biases and 1-D parameters, e.g. norm weights, `wd_mult` 0); and Adam's
+    betas and eps. All come from the run's config every step, so a resumed run steps with what
+    its config says, not with the values its checkpoint's parameter groups carried (Muon keeps
+    its own settings the same way, `Muon.load_state_dict`)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_mult", 1.0)
+        group["weight_decay"] = settings.weight_decay * group.get("wd_mult", 1.0)
+        if "betas" in group:
+            group["betas"] = (settings.beta1, settings.beta2)
+        if "eps" in group:
+            group["eps"] = settings.eps

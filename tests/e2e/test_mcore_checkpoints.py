@@ -2,7 +2,9 @@
 (`tests/fixtures/mcore_checkpoints/`, made by `make_mcore_checkpoints.py` under megatron-core
 0.16.1 and 0.19.2, in checkpoint format 1: flat MoE settings, from the flat config.yaml beside
 them) resume and serve as `checkpoint.init_from` under the installed version and format 2, and
-give the losses that the version which wrote them logged (same synthetic data, same seed).
+give the losses that the version which wrote them logged (same synthetic data, same seed), but
+for step 6: the megamoe that wrote them decayed norm weights (step 5's update), which Megatron's
+parameter groups exclude; expected.json holds step 6 as megamoe trains it now.
 
 A 0.16 checkpoint keeps its common state in `common.pt`; a 0.19 one keeps it inside the
 `.distcp` files. Both are read on both versions, through the same allow-listed loaders."""

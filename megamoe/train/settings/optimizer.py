@@ -65,7 +65,9 @@ class OptimizerConfig:
     decay_steps: Optional[int] = None
     """Steps of decay after warm-up (None: until `train_steps`)."""
     weight_decay: float = 0.1
-    """Decoupled weight decay (not applied to norms and biases)."""
+    """Decoupled weight decay, not applied to biases and 1-D parameters such as norm weights
+    (Megatron-Core's parameter groups give them `wd_mult` 0, applied each step as Megatron-LM's
+    scheduler does); embeddings and the output layer decay, as in Megatron-Core."""
     beta1: float = 0.9
     """Adam beta1."""
     beta2: float = 0.95

@@ -105,6 +105,16 @@ def setup_megatron(
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+    _reset_aux_loss_scale()
+
+
+def _reset_aux_loss_scale() -> None:
+    """Forget the auxiliary-loss gradient scale Megatron-Core keeps in a class attribute: one
+    left by an earlier model in this process (a backward outside Megatron's schedules makes it
+    a 0-d tensor) would fail the shape of the scale the schedules then copy into it."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
 def teardown_megatron() -> None:

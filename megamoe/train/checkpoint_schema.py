@@ -39,8 +39,8 @@ from megamoe.errors import CheckpointError, MegaMoEError
 from megamoe.registry import ROUTERS
 from megamoe.settings import MODEL, TRAINING, build, flat_values, setting_roles, walk_fields
 from megamoe.train.config import TrainConfig, config_from_dict
-from megamoe.train.settings.optimizer import OptimizerConfig
 from megamoe.train.settings.moe import nest_moe_section
+from megamoe.train.settings.optimizer import OptimizerConfig
 
 FORMAT_VERSION = 2
 

@@ -51,3 +51,19 @@ def test_a_run_stopped_and_resumed_continues_bit_exactly(corpus_cache, tmp_path)
     assert sorted(reference) == list(range(1, STEPS + 1))
     assert step_losses(resumed) == reference  # bit for bit, the resumed steps included
     assert (resumed / "checkpoints" / f"iter_{STEPS:07d}").is_dir()
+
+
+@pytest.mark.quick(budget_s=30)
+def test_a_loss_scale_left_by_an_earlier_model_does_not_break_a_run(corpus_cache, tmp_path):
+    """A backward through Megatron's MoEAuxLossAutoScaler outside its schedules (a plain-PyTorch
+    experiment earlier in the process) leaves a 0-d scale behind; the schedules' [1]-shaped
+    scale no longer copies into it."""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0)
+    try:
+        train(corpus_cache, tmp_path / "run", "training.train_steps=1")
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    assert sorted(step_losses(tmp_path / "run")) == [1]

@@ -14,7 +14,7 @@ from warm_launcher import PRELOAD
 
 start_from_forkserver(PRELOAD)
 
-RUN_TIMEOUT_S = 300  # a whole world-size run, start-up included, on 2 busy cores
+RUN_TIMEOUT_S = 900  # a whole world-size run, start-up included, on 2 busy cores
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from megamoe.parallel.spawn import spawn_ranks as spawn
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
 def results(request, tmp_path_factory):
     out = str(tmp_path_factory.mktemp(f"routers{request.param}"))
-    return spawn(request.param, router_workers.routers_job, out, timeout_s=300)
+    return spawn(request.param, router_workers.routers_job, out, timeout_s=900)
 
 
 @pytest.mark.parametrize("case", sorted(router_workers.ROUTER_CASES))

@@ -93,7 +93,7 @@ def expert_parallel(imported, corpus_cache, tmp_path_factory):
                              "global_batch_size": 4},
                 "optimizer": {"lr": 1e-2},
                 "logging": {"progress_bar": False, "tensorboard": False}}
-    results = spawn(2, hf_import_workers.import_job, str(root), 600, imports=jobs,
+    results = spawn(2, hf_import_workers.import_job, str(root), 1000, imports=jobs,
                     tokens=sample_tokens(4096), training=training)
     return results, root / "runs"
 

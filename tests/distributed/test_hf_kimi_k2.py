@@ -61,7 +61,7 @@ def test_kimi_k2_trains_at_ep2_and_exports_what_transformers_reproduces(kimi, co
                              "global_batch_size": 4},
                 "optimizer": {"lr": 1e-2},
                 "logging": {"progress_bar": False, "tensorboard": False}}
-    results = spawn(2, hf_import_workers.import_job, str(tmp_path), 600,
+    results = spawn(2, hf_import_workers.import_job, str(tmp_path), 1000,
                     imports={"kimi_k2": (str(folder), sections)}, tokens=tokens,
                     training=training)
     reference = hf_logits(load_hf_model(hf), tokens)

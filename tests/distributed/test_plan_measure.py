@@ -18,7 +18,7 @@ import layout_workers as lw
 
 TOL = 0.15
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "moe_dispatch")
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(1500)
 
 CASES = {  # name -> (parallel, training, sections, MaxVio)
     **{name: (parallel, {}, {}, 0.0) for name, (procs, parallel) in lw.LAYOUTS.items()
@@ -53,7 +53,7 @@ def results():
 
     runs = [{"name": name, "config": _raw(name, *case[:3]), "maxvio": case[3]}
             for name, case in CASES.items()]
-    measured = measure(runs, world=2, timeout_s=400)
+    measured = measure(runs, world=2, timeout_s=1200)
     plans = {}
     for run in runs:
         config = config_from_dict(run["config"])

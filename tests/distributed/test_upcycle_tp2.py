@@ -25,7 +25,7 @@ def test_tp2_and_pp2_dense_checkpoints_upcycle_and_load(tmp_path):
         procs.append(subprocess.Popen([sys.executable, str(Path(__file__)), str(tmp_path)],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
-    outputs = [proc.communicate(timeout=540)[0] for proc in procs]
+    outputs = [proc.communicate(timeout=1000)[0] for proc in procs]
     for rank, proc in enumerate(procs):
         assert proc.returncode == 0, f"rank {rank} failed:\n{outputs[rank][-4000:]}"
     results = json.loads((tmp_path / "results.json").read_text())

@@ -140,11 +140,9 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture(scope="session")
 def corpus_cache(tmp_path_factory) -> Path:
-    """The default corpus and its tokenizer, built once per test session for every suite."""
+    """The default corpus and its tokenizer, built once per test run for every suite (and every
+    pytest-xdist worker)."""
     from megamoe.train.corpus import ensure_default_dataset
 
     return build_once(tmp_path_factory, "megamoe-corpus",
                       lambda cache: ensure_default_dataset(cache, progress=False))
-
-
-

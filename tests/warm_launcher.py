@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import re
 import runpy
@@ -67,12 +68,24 @@ def _send(sock: socket.socket, message: dict, fds: Sequence[int] = ()) -> None:
         sock.sendall(data)
 
 
+def _readable(files: Sequence, timeout: Optional[float]) -> list:
+    """Those of `files` (sockets, file objects) that can be read, or have ended, within `timeout`
+    seconds (None: no limit). poll, not select: select fails on a descriptor above 1023, which a
+    long test session's process can reach."""
+    poller = select.poll()
+    by_fd = {file.fileno(): file for file in files}
+    for fd in by_fd:
+        poller.register(fd, select.POLLIN)
+    wait_ms = None if timeout is None else math.ceil(timeout * 1000)
+    return [by_fd[fd] for fd, _ in poller.poll(wait_ms)]
+
+
 def _receive(sock: socket.socket, timeout: Optional[float], buffer: bytearray) -> Optional[dict]:
     """The next message (None when `timeout` seconds pass first)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while b"\n" not in buffer:
         wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not select.select([sock], [], [], wait)[0]:
+        if not _readable([sock], wait):
             return None
         chunk = sock.recv(1 << 16)
         if not chunk:
@@ -223,7 +236,7 @@ def serve(socket_path: str, preload: Sequence[str]) -> None:
     print("ready", flush=True)
     requests: list[_Running] = []
     while True:
-        ready = select.select([listener, sys.stdin], [], [], 0.05 if requests else None)[0]
+        ready = _readable([listener, sys.stdin], 0.05 if requests else None)
         if sys.stdin in ready:
             break
         if listener in ready:

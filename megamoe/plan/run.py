@@ -8,7 +8,7 @@ from typing import Optional
 
 from megamoe.errors import ConfigError
 from megamoe.plan.layouts import config_layout, layouts_of_world
-from megamoe.plan.limits import check_countable, check_request
+from megamoe.plan.limits import check_request
 from megamoe.plan.plan import LayoutPlan, plan_layout
 from megamoe.plan.counts import parameter_counts
 from megamoe.plan.report import (counts_text, layout_table, ranking_table, to_json, write_json,
@@ -57,7 +57,6 @@ def main(config: TrainConfig, world: Optional[int], ranks: Optional[int],
          png_path: Optional[Path], measure: bool, top: int) -> int:
     """Plan, print, write; the exit code (0)."""
     check_request(world, ranks, maxvio, measure)
-    check_countable(config)
     vocab = model_vocab_size(config)
     counts = parameter_counts(config, vocab[0])
     print(counts_text(counts, vocab))

@@ -56,6 +56,7 @@ from megamoe.train.settings.moe import (MoESection, Note, flat_path, moe_keys, n
                                         read_moe_section)
 from megamoe.train.settings.optimizer import OptimizerConfig
 from megamoe.train.settings.parallel import ParallelConfig
+from megamoe.train.settings.sizes import check_model_size
 from megamoe.train.settings.training import TrainingConfig
 
 __all__ = ["TrainConfig", "ModelConfig", "MoESection", "ParallelConfig", "DataConfig",
@@ -120,7 +121,7 @@ def check_across(config: TrainConfig) -> None:
     """The checks that span sections (each section checks its own fields when it is built):
     what tensor ranks split, the pipeline's stages, MLA's recomputation, evaluation's split,
     what multi-token prediction cannot train with, the training method's demands, the MoE
-    layers' overrides and expert parallelism."""
+    layers' overrides and expert parallelism, and the model's sizes."""
     m, p = config.model, config.parallel
     for key, value in [("model.num_attention_heads", m.num_attention_heads),
                        ("model.num_query_groups", m.num_query_groups)]:
@@ -157,6 +158,7 @@ def check_across(config: TrainConfig) -> None:
                 f"0..{m.num_layers - 1}")
     for layer in [None, *config.moe.layer_overrides]:
         config.moe_config(layer).check_expert_parallel(p.expert)
+    check_model_size(config)
 
 
 def _check_multi_token_prediction(config: TrainConfig) -> None:

@@ -273,9 +273,9 @@ def test_json_schema(tool, tmp_path, capsys):
     (["--config", "configs/tiny_cpu.yaml", "--ranks", "4"], "--ranks 4"),
     (["--config", "configs/tiny_cpu.yaml", "--ranks", "3"], "--ranks 3"),
     (["--config", "configs/missing.yaml"], "missing.yaml"),
-    # sizes the planner cannot count: refused before any build (megamoe.plan.limits)
+    # sizes beyond the largest model: refused when the config loads (megamoe.train.settings.sizes)
     (["--config", "configs/tiny_cpu.yaml", "model.seq_length=1000000000000"],
-     "model.seq_length=1000000000000 is beyond what the memory planner counts"),
+     "model.seq_length=1000000000000 is beyond the largest model megamoe builds"),
     (["--config", "configs/tiny_cpu.yaml", "moe.num_experts=1000000"],
      "moe.num_experts=1000000 is beyond"),
     (["--config", "configs/tiny_cpu.yaml", "model.num_layers=8", "model.first_k_dense=0",

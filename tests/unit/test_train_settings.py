@@ -123,6 +123,9 @@ def test_layer_overrides_merge_over_the_section_per_layer():
     ({-1: {"topk": 1}}, "moe.layer_overrides entry -1"),
     ({9: {"topk": 1}}, "moe.layer_overrides names layer 9, outside 0..3"),
     ({1: {"num_experts": 6}}, "num_experts=6 is not divisible by the expert-parallel size 4"),
+    ({1: {"num_experts": 10**9}}, "moe.layer_overrides.1.num_experts=1000000000 is beyond the "
+     "largest model megamoe builds (at most 65,536)"),
+    ({1: {"num_experts": "1e9"}}, "moe.layer_overrides.1.num_experts='1e9' is not a valid int"),
 ])
 def test_layer_overrides_are_checked_when_the_config_loads(overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -107,18 +107,18 @@ def run(config: TrainConfig) -> int:
     try:
         lock = lock_output_dir(config.output_dir, config.checkpoint_dir)
         try:
-            stop = StopRequest()
-            stop.install()
-            run_ = _prepare(config, on_cuda, bf16)
-            # What setup built (libraries, model, optimizer) lives as long as the run: frozen
-            # out of the cyclic collector, the full collections Megatron's distributed optimizer
-            # runs at every save (two gc.collect() calls) walk only what the steps allocate.
-            gc.freeze()
-            try:
-                _train(run_, stop)
-            finally:
-                gc.unfreeze()
-                run_.logger.close()
+            with StopRequest(config.training.stop_grace_s) as stop:
+                run_ = _prepare(config, on_cuda, bf16)
+                # What setup built (libraries, model, optimizer) lives as long as the run: frozen
+                # out of the cyclic collector, the full collections Megatron's distributed
+                # optimizer runs at every save (two gc.collect() calls) walk only what the steps
+                # allocate.
+                gc.freeze()
+                try:
+                    _train(run_, stop)
+                finally:
+                    gc.unfreeze()
+                    run_.logger.close()
         finally:
             lock.release()
         return 0
@@ -294,6 +294,8 @@ def _train(run: _Run, stop: StopRequest) -> None:
         logger.log(step, {"loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                           "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
                           "consumed_samples": state.consumed_samples, **moe_metrics})
+        if stops > 0:
+            stop.step_ended()
         exiting = stops > 0 or _every(step, config.training.exit_interval)
         if exiting or step == config.training.train_steps or \
                 _every(step, config.checkpoint.interval):

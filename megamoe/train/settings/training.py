@@ -46,6 +46,12 @@ class TrainingConfig:
     proceeds in chunks (a rerun of the same command resumes); as Megatron-LM's --exit-interval."""
     collective_timeout_s: float = 600.0
     """A collective waiting longer than this (a dead rank) fails instead of hanging."""
+    stop_grace_s: float = 120.0
+    """After a stop signal (SIGTERM, SIGUSR1, SIGINT), a rank that has not reached the end of
+    its step within this many seconds exits at once, with code 128 + the signal and no new
+    checkpoint (the last one stays); its checkpoint save, once begun, is not cut short. 0: wait
+    for the step however long it takes. launch/pretrain_moe.sh signals 120 s before the time
+    limit."""
 
     def __post_init__(self) -> None:
         check_fields(self, "training")
@@ -68,3 +74,5 @@ class TrainingConfig:
         require(self.seed >= 0, f"training.seed={self.seed} must be >= 0")
         require(self.collective_timeout_s > 0,
                 f"training.collective_timeout_s={self.collective_timeout_s} must be > 0")
+        require(self.stop_grace_s >= 0,
+                f"training.stop_grace_s={self.stop_grace_s} must be >= 0 (0: no limit)")

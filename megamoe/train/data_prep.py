@@ -43,7 +43,8 @@ from megamoe.errors import DataError
 from megamoe.paths import refuse_overlap
 from megamoe.train.indexed_write import IndexedWriter, token_dtype
 from megamoe.train.tokenizer import (SentencePieceTokenizer, Tokenizer, dataset_identity,
-                                     identity_path, load_tokenizer, train_sentencepiece)
+                                     identity_path, index_checksum, load_tokenizer,
+                                     train_sentencepiece)
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 BLOCK_BYTES = 1 << 20  # input bytes per task: large enough to amortise a task, small to stream
@@ -332,7 +333,7 @@ def preprocess(
             names = ", ".join(str(p) for p in paths)
             raise DataError(f"no documents found in {names}; the inputs are empty")
         writer.finish(staged_idx)
-        staged_identity.write_text(dataset_identity(tokenizer))
+        staged_identity.write_text(dataset_identity(tokenizer, index_checksum(staged_idx)))
     return PrepSummary(
         output_prefix=str(prefix),
         tokenizer_model=tokenizer.describe(),

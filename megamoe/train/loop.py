@@ -57,7 +57,7 @@ from megamoe.train.guards import (
     poison_batch,
     poison_parameter,
 )
-from megamoe.train.inputs import data_sources, training_batches
+from megamoe.train.inputs import NO_RECORD, data_sources, training_batches
 from megamoe.train.methods import Evaluation, TrainingMethod, training_method
 from megamoe.train.metrics import MetricsLogger
 from megamoe.train.model import build_model, transformer_config
@@ -167,7 +167,7 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
           flush=True)
 
     faults = injected_faults()
-    prefixes, tokenizer = data_sources(config)
+    prefixes, tokenizer, unrecorded = data_sources(config)
     resume_from = resume_checkpoint(config)
     init_from = (resolve_weights_dir(config.checkpoint.init_from)
                  if resume_from is None and config.checkpoint.init_from else None)
@@ -214,8 +214,8 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
         f"({'CUDA, ' + ('bf16' if bf16 else 'fp32') if on_cuda else 'CPU, fp32'}; data "
         f"{dp_size} x expert {p.expert} x tensor {p.tensor} x pipeline {p.pipeline}"
         f"{f' x {p.virtual_stages} virtual' if p.virtual_stages > 1 else ''}), "
-        f"{_trainable_summary(model)} on rank 0, starting from {origin}; data tokenized with "
-        f"{tokenizer.describe()}; output in {config.output_dir}")
+        f"{_trainable_summary(model)} on rank 0, starting from {origin}; "
+        f"{_data_line(tokenizer, unrecorded)}; output in {config.output_dir}")
     for change in changes:  # training settings changed from the checkpoint's, announced once
         logger.setting_changed(state.iteration + 1, *change)
 
@@ -227,6 +227,14 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
     return _Run(config, model, engine, state, batches_from(state.consumed_samples),
                 batches_from, num_microbatches, pgs, device, logger, method, evaluation,
                 prefixes, tokenizer, start, faults)
+
+
+def _data_line(tokenizer: Tokenizer, unrecorded: list[str]) -> str:
+    """What the start line says of the data's tokenizer: data without a record beside it (made
+    elsewhere) was only range-checked against it."""
+    if unrecorded:
+        return f"data {', '.join(unrecorded)}: {NO_RECORD} against {tokenizer.describe()}"
+    return f"data tokenized with {tokenizer.describe()}"
 
 
 def _train(run: _Run, stop: StopRequest) -> None:

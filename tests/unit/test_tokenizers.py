@@ -5,6 +5,7 @@ preprocess_data.py --tokenizer-type HuggingFaceTokenizer --append-eod writes), p
 looked up by its text; the reference for the index format is Megatron-Core's own
 IndexedDatasetBuilder. Tokenizers are built in the test (tests/tiny_tokenizers.py).
 """
+import hashlib
 import json
 import os
 import re
@@ -94,7 +95,9 @@ def test_preprocess_writes_autotokenizer_ids_and_eod(kind, tokenizers, jsonl, tm
     builder.finalize(str(tmp_path / "ref.idx"))
     for suffix in (".bin", ".idx"):
         assert (tmp_path / f"ds{suffix}").read_bytes() == (tmp_path / f"ref{suffix}").read_bytes()
-    assert read_dataset_identity(prefix) == {**identity(tok), "source": tok.path}
+    assert read_dataset_identity(prefix) == {
+        **identity(tok), "source": tok.path, "components": tok.components,
+        "idx_sha256": hashlib.sha256((tmp_path / "ds.idx").read_bytes()).hexdigest()}
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ds")) == [
         "ds.bin", "ds.idx", "ds.tokenizer-identity.json"]
 

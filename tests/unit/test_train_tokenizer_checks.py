@@ -97,6 +97,57 @@ def test_data_made_by_megamoe_must_record_the_configured_tokenizer(tokenizers, t
     assert "\n" not in message
 
 
+def test_data_without_a_record_says_so(tokenizers, tmp_path):
+    folder, tokenizer = tokenizers["deepseek_v3"]
+    prefix = megatron_dataset(tmp_path / "made_elsewhere", encoded(folder, DEEPSEEK_EOS))
+    assert check_data_tokenizer(prefix, tokenizer) == "no tokenizer record: ids range-checked only"
+    write_dataset_identity(prefix, tokenizer)
+    assert check_data_tokenizer(prefix, tokenizer) is None
+
+
+def test_a_pad_token_alone_does_not_make_data_incompatible(tokenizers, tmp_path):
+    """The same vocabulary, rules, BOS and end of document with another pad token (Megatron
+    never feeds pads to the loss): another fingerprint, the same ids, so the data is accepted."""
+    folder, qwen = tokenizers["qwen3_moe"]
+    other_pad = tmp_path / "other_pad"
+    shutil.copytree(folder, other_pad)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (other_pad / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                 "pad_token": "<|im_end|>"}))
+    repadded = load_tokenizer(other_pad)
+    assert repadded.pad != qwen.pad and repadded.fingerprint != qwen.fingerprint
+    prefix = megatron_dataset(tmp_path / "data", encoded(folder, "<|endoftext|>"))
+    write_dataset_identity(prefix, qwen)
+    assert check_data_tokenizer(prefix, repadded) is None
+
+
+def test_a_mismatch_names_the_components_that_differ(tokenizers, tmp_path):
+    """Merges trained on other text (same specials, same size): the refusal says "merges"
+    and "vocabulary" (the learnt tokens differ too), not the pre-tokenizer or the ends."""
+    from tiny_tokenizers import save_qwen_like
+
+    folder, qwen = tokenizers["qwen3_moe"]
+    other = load_tokenizer(save_qwen_like(tmp_path / "smaller", vocab_size=300))
+    prefix = megatron_dataset(tmp_path / "data", encoded(folder, "<|endoftext|>"))
+    write_dataset_identity(prefix, qwen)
+    with pytest.raises(DataError) as caught:
+        check_data_tokenizer(prefix, other)
+    assert "(they differ in vocabulary, merges)" in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_record_copied_beside_other_data_is_caught(tokenizers, tmp_path):
+    folder, tokenizer = tokenizers["deepseek_v3"]
+    documents = encoded(folder, DEEPSEEK_EOS)
+    recorded = megatron_dataset(tmp_path / "recorded", documents)
+    write_dataset_identity(recorded, tokenizer)
+    other = megatron_dataset(tmp_path / "other", documents[:7])
+    shutil.copy(f"{recorded}.tokenizer-identity.json", f"{other}.tokenizer-identity.json")
+    with pytest.raises(DataError, match=r"other\.tokenizer-identity\.json describes other "
+                       r"data: its \.idx checksum is not that of .*other\.idx"):
+        check_data_tokenizer(other, tokenizer)
+
+
 @pytest.mark.parametrize("eod_mask_loss", [False, True])
 def test_a_pad_equal_to_the_end_of_document_never_masks_it(tokenizers, tmp_path, eod_mask_loss):
     """DeepSeek's pad is its end of document (id 1): every document end keeps its loss and its

@@ -13,22 +13,46 @@ from typing import Callable, Iterable, Sequence
 DocumentEncoder = Callable[[Sequence[str]], list[list[int]]]
 
 
+def _digest(value) -> str:
+    """Hex sha256 of the canonical JSON of `value`."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+# What decides a text's ids and its document's ends, by name: what data compatibility compares.
+ID_COMPONENTS = ("vocabulary", "normalizer", "pre_tokenizer", "merges", "post_processor", "bos",
+                 "eod")
+
+
 def fingerprint(vocab: dict[str, int], special: dict[int, str], eod: int, bos: int,
-                add_bos: bool, pad: int, vocab_size: int, rules: dict | None = None) -> str:
-    """Hex sha256 of a canonical JSON of the vocabulary (token -> id), the special tokens
-    (id -> text), the ids a document is built with and `rules`, what else decides how text is
-    cut into those tokens (a Hugging Face backend's normalizer, pre-tokenizer, model with its
-    merges, post-processor): equal for two tokenizers exactly when they give every text the same
-    ids and start, end and pad documents alike, whatever the files (JSON layout, a SentencePiece
-    proto or a tokenizer.json) they were read from."""
+                add_bos: bool, pad: int, vocab_size: int,
+                rules: dict | None = None) -> tuple[str, dict[str, str]]:
+    """(fingerprint, components) of a tokenizer.
+
+    The fingerprint is the hex sha256 of a canonical JSON of the vocabulary (token -> id), the
+    special tokens (id -> text), the ids a document is built with and `rules`, what else decides
+    how text is cut into those tokens (a Hugging Face backend's normalizer, pre-tokenizer, model
+    with its merges, post-processor): equal for two tokenizers exactly when they give every text
+    the same ids and start, end and pad documents alike, whatever the files (JSON layout, a
+    SentencePiece proto or a tokenizer.json) they were read from.
+
+    The components are the digests of its parts that decide token ids and document ends
+    (`ID_COMPONENTS`, those present): the pad id, which Megatron never feeds the loss, is not
+    one, so data made with a model folder suits the same model's tokenizer.json alone."""
     payload = {
         "vocab": sorted(vocab.items(), key=lambda item: (item[1], item[0])),
         "special": sorted(special.items()),
         "eod": eod, "bos": bos, "add_bos": add_bos, "pad": pad, "vocab_size": vocab_size,
         "rules": rules,
     }
-    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    components = {"vocabulary": _digest([payload["vocab"], payload["special"], vocab_size])}
+    if rules is not None:
+        model = {key: value for key, value in (rules.get("model") or {}).items() if key != "vocab"}
+        components.update(normalizer=_digest(rules.get("normalizer")),
+                          pre_tokenizer=_digest(rules.get("pre_tokenizer")),
+                          merges=_digest(model), post_processor=_digest(rules.get("post_processor")))
+    components.update(bos=_digest([bos, add_bos]), eod=_digest(eod))
+    return _digest(payload), components
 
 
 class Tokenizer:
@@ -40,8 +64,8 @@ class Tokenizer:
     and `pad` (-1 when there is none; `pad` may equal `eod` and is never used for masking),
     `add_bos` (whether a document starts with `bos`, the model's own rule), `files` (what makes
     up the tokenizer: each file's path and the bytes that were loaded from it, which are what
-    copies and checkpoints write, whatever happens to the path later) and `fingerprint`
-    (`base.fingerprint`); and implement `tokenize`,
+    copies and checkpoints write, whatever happens to the path later), `fingerprint` and
+    `components` (`base.fingerprint`); and implement `tokenize`,
     `tokenize_batch`, `detokenize`, `encode_document` and `document_encoder`.
     """
 
@@ -54,6 +78,7 @@ class Tokenizer:
     pad: int
     files: dict[Path, bytes]
     fingerprint: str
+    components: dict[str, str]
     # The model_type of the model folder it came from: transformers chooses the tokenizer class
     # (and so how text is cut) by it, so a copy of the tokenizer keeps it.
     model_type: str | None = None

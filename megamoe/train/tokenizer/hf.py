@@ -264,9 +264,9 @@ class HuggingFaceTokenizer(Tokenizer):
         special = {i: t.content for i, t in backend.get_added_tokens_decoder().items()
                    if t.special}
         backend_rules = json.loads(self._serialized)
-        self.fingerprint = fingerprint(vocab, special, self.eod, self.bos, self.add_bos,
-                                       self.pad, self.vocab_size,
-                                       {key: backend_rules.get(key) for key in _RULES})
+        rules = {key: backend_rules.get(key) for key in _RULES}
+        self.fingerprint, self.components = fingerprint(
+            vocab, special, self.eod, self.bos, self.add_bos, self.pad, self.vocab_size, rules)
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of `text`, without BOS/EOD (transformers' `add_special_tokens=False`)."""

@@ -4,6 +4,7 @@ checkpoints and import outputs, and the loader that names a tokenizer by its pat
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -20,6 +21,7 @@ IDENTITY_SUFFIX = ".tokenizer-identity.json"
 _IDENTITY_KEYS = {"fingerprint": str, "kind": str, "vocab_size": int, "eod": int, "bos": int,
                   "add_bos": bool}
 _MAX_IDENTITY_BYTES = 1 << 20
+_HASH_CHUNK = 1 << 20
 _SNIFF_BYTES = 64
 
 
@@ -93,22 +95,37 @@ def identity_path(prefix: str | os.PathLike) -> Path:
     return prefix.with_name(prefix.name + IDENTITY_SUFFIX)
 
 
-def dataset_identity(tokenizer: Tokenizer) -> str:
-    """The text of a dataset's sidecar: `identity(tokenizer)` and the tokenizer's path."""
-    return json.dumps({**identity(tokenizer), "source": tokenizer.path}, indent=1) + "\n"
+def index_checksum(idx: str | os.PathLike) -> str:
+    """Hex sha256 of a dataset's index file, `PREFIX.idx` (a few bytes per document)."""
+    digest = hashlib.sha256()
+    with open(idx, "rb") as index:
+        while chunk := index.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def dataset_identity(tokenizer: Tokenizer, idx_sha256: str) -> str:
+    """The text of a dataset's sidecar: `identity(tokenizer)`, the tokenizer's path, the parts
+    that decide its ids (`components`) and the checksum of the dataset's `.idx` it describes
+    (a record copied beside other data is caught)."""
+    record = {**identity(tokenizer), "source": tokenizer.path,
+              "components": tokenizer.components, "idx_sha256": idx_sha256}
+    return json.dumps(record, indent=1) + "\n"
 
 
 def write_dataset_identity(prefix: str | os.PathLike, tokenizer: Tokenizer) -> Path:
-    """Write `PREFIX.tokenizer-identity.json` for a dataset tokenized by `tokenizer` (atomic)."""
+    """Write `PREFIX.tokenizer-identity.json` for the dataset `prefix` (its .idx written)
+    tokenized by `tokenizer` (atomic)."""
     path = identity_path(prefix)
-    atomic_write_text(path, dataset_identity(tokenizer))
+    atomic_write_text(path, dataset_identity(tokenizer, index_checksum(f"{prefix}.idx")))
     return path
 
 
 def read_dataset_identity(prefix: str | os.PathLike) -> dict | None:
     """The identity recorded beside the dataset `prefix`, or None when there is none (data
-    made elsewhere, e.g. by Megatron-LM's preprocess_data.py). A malformed record is a one-line
-    DataError."""
+    made elsewhere, e.g. by Megatron-LM's preprocess_data.py). A malformed record, or one whose
+    `.idx` checksum is not the dataset's, is a one-line DataError. Records older than the
+    components and the checksum have neither."""
     path = identity_path(prefix)
     if not os.path.lexists(path):
         return None
@@ -120,4 +137,12 @@ def read_dataset_identity(prefix: str | os.PathLike) -> dict | None:
         value = record.get(key)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise DataError(f"{path}: {key!r} is missing or not a {kind.__name__}; {fix}")
+    components = record.get("components", {})
+    if not (isinstance(components, dict) and
+            all(isinstance(value, str) for value in components.values())):
+        raise DataError(f"{path}: 'components' is not a mapping of names to digests; {fix}")
+    checksum = record.get("idx_sha256")
+    if checksum is not None and checksum != index_checksum(f"{prefix}.idx"):
+        raise DataError(f"{path} describes other data: its .idx checksum is not that of "
+                        f"{prefix}.idx (a record copied from another dataset?); {fix}")
     return record

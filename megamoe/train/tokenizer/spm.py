@@ -110,7 +110,7 @@ class SentencePieceTokenizer(Tokenizer):
         self.pad = self._sp.pad_id()
         self.add_bos = bool(add_bos) and self.bos >= 0
         sp = self._sp
-        self.fingerprint = fingerprint(
+        self.fingerprint, self.components = fingerprint(
             {sp.id_to_piece(i): i for i in range(self.vocab_size)},
             {i: sp.id_to_piece(i) for i in range(self.vocab_size)
              if sp.is_control(i) or sp.is_unknown(i)},

@@ -58,7 +58,7 @@ class DistSource:
             problem = verify_folder(directory)
             if problem is not None:
                 raise CheckpointError(f"checkpoint {directory} is unusable: {problem}; restore "
-                                      "it or upcycle another checkpoint")
+                                      "it or use another checkpoint")
         self.reader = DCPReader(directory)
         self.args = _saved_args(directory)
         tensors = {key: md for key, md in self.reader.tensors().items()

@@ -253,6 +253,7 @@ def export_hf(load, save, arch: Optional[str] = None, tokenizer=None, overwrite:
 
     refuse_overlap(save, [load, tokenizer])
     folder = resolve_weights_dir(load)
+    source = DistSource(folder, moe=True)  # every file checked against its manifest first
     common = load_common_state(folder)
     sections = _model_sections(common, folder)
     config = config_from_dict(sections)
@@ -261,7 +262,6 @@ def export_hf(load, save, arch: Optional[str] = None, tokenizer=None, overwrite:
     arch = arch or _source_arch(kept) or default_arch(config, pattern)
     check_expressible(arch, config, pattern)
     shipped, record = recorded_tokenizer(folder, common, Path(load), tokenizer)
-    source = DistSource(folder, moe=True)
     if source.num_layers != config.model.num_layers:
         raise CheckpointError(f"{folder} has {source.num_layers} layers but its config says "
                               f"{config.model.num_layers}; the checkpoint is corrupt")

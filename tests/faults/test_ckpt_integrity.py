@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
-from ckpt_fault_helpers import (assert_one_line_error, train, trained_run,
+from ckpt_fault_helpers import (assert_one_line_error, run, train, trained_run,
                                 upcycle)
 
 from megamoe.checkpointing.manifest import MANIFEST_FILE
@@ -135,3 +136,18 @@ def test_upcycler_refuses_a_corrupt_input(trained_run, tmp_path):
     done = upcycle(out / "checkpoints", tmp_path / "moe")
     assert_one_line_error(done, distcp.name, "checksum")
     assert not (tmp_path / "moe").exists()
+
+
+def test_export_names_a_tokenizer_file_that_fails_its_checksum(trained_run, tmp_path):
+    """tools/export_hf.py on a checkpoint whose tokenizer file was damaged: the checksum
+    failure, named as such (not a tokenizer of the wrong format, nor advice to pass one with
+    --tokenizer), exit code 2, no output."""
+    out = _copy(trained_run, tmp_path)
+    model = out / "checkpoints" / "iter_0000003" / "tokenizer" / "tokenizer.model"
+    _flip(model, seed=5, count=64)
+    done = run([sys.executable, "tools/export_hf.py", "--load", str(out / "checkpoints"),
+                "--save", str(tmp_path / "hf")])
+    line = assert_one_line_error(done, "tokenizer/tokenizer.model", "checksum",
+                                 "restore it or use another checkpoint")
+    assert "--tokenizer" not in line and "SentencePiece" not in line
+    assert not (tmp_path / "hf").exists()

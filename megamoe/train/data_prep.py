@@ -19,6 +19,14 @@ sentencepiece) while this process writes finished blocks in input order (a windo
 per worker in flight, so memory is bounded whatever the input size; one record may be at most
 MAX_RECORD_BYTES). All outputs are written under temporary names and renamed into place only
 when everything succeeded, so a failure leaves nothing behind.
+
+Bounded time: a tokenizer's normalizer and pre-tokenizer run regular expressions, and a
+super-linear one (`\\S*\\d` is quadratic in the length of a word without a digit: a 1 MB word
+takes about an hour) would hold a worker for as long. So each block must be encoded within
+`encode_deadline_s` of its size (30 s plus 1 s per 16 KiB, a hundred times what the slowest
+tokenizer needs), or the run stops with one line naming the file, the bytes and the tokenizer's
+regular expressions. A pattern whose backtracking the regex engine gives up on (an exponential
+one) is one line too, not the engine's panic.
 """
 
 from __future__ import annotations
@@ -30,7 +38,6 @@ import os
 import shutil
 import tempfile
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, Sequence
@@ -39,7 +46,7 @@ import numpy as np
 from tqdm import tqdm
 
 from megamoe.bounded import decode_utf8, parse_json, regular_file_size
-from megamoe.errors import DataError
+from megamoe.errors import DataError, one_line
 from megamoe.paths import refuse_overlap
 from megamoe.train.indexed_write import IndexedWriter, token_dtype
 from megamoe.train.tokenizer import (SentencePieceTokenizer, Tokenizer, dataset_identity,
@@ -50,6 +57,8 @@ JSONL_SUFFIXES = (".jsonl", ".json")
 BLOCK_BYTES = 1 << 20  # input bytes per task: large enough to amortise a task, small to stream
 MAX_RECORD_BYTES = 256 << 20  # one jsonl line or text paragraph
 MAX_INPUT_BYTES = 1 << 50
+ENCODE_BASE_S = 30.0
+ENCODE_MIN_BYTES_PER_S = 16 << 10
 
 
 @dataclass(frozen=True)
@@ -107,21 +116,34 @@ _DTYPE: np.dtype | None = None
 
 def _start_worker(encoder: Callable, dtype: np.dtype) -> None:
     """Worker initializer: one tokenizer per process, single-threaded (the processes are the
-    parallelism)."""
+    parallelism); the worker's stderr is silenced, as a regex engine's panic prints its
+    backtrace there (the failure itself comes back as `BackendGaveUp`)."""
     global _ENCODER, _DTYPE
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
     _ENCODER, _DTYPE = encoder, dtype
 
 
-def encode_block(block: Block, encoder: Callable | None = None,
-                 dtype: np.dtype | None = None) -> tuple[np.ndarray, np.ndarray, int]:
-    """(token ids end to end, each document's length, input bytes) of a block; documents
-    without any token besides EOD are left out, as Megatron-LM leaves them out."""
-    encoder, dtype = encoder or _ENCODER, dtype or _DTYPE
+class BackendGaveUp(Exception):
+    """The tokenizer's native backend stopped on a block (the `tokenizers` regex engine's
+    backtracking limit raises a Rust panic, which is not an Exception)."""
+
+
+def encode_block(block: Block) -> tuple[np.ndarray, np.ndarray, int]:
+    """In a worker: (token ids end to end, each document's length, input bytes) of a block;
+    documents without any token besides EOD are left out, as Megatron-LM leaves them out."""
     texts = _jsonl_documents(block) if block.raw else list(block.documents)
-    docs = [ids for ids in encoder(texts) if len(ids) > 1] if texts else []
+    try:
+        encoded = _ENCODER(texts) if texts else []
+    except BaseException as err:  # noqa: BLE001 - pyo3's PanicException derives from it
+        if type(err).__name__ != "PanicException":
+            raise
+        raise BackendGaveUp(one_line(str(err))) from None
+    docs = [ids for ids in encoded if len(ids) > 1]
     lengths = np.fromiter((len(d) for d in docs), dtype=np.int32, count=len(docs))
-    tokens = np.fromiter((t for d in docs for t in d), dtype=dtype, count=int(lengths.sum()))
+    tokens = np.fromiter((t for d in docs for t in d), dtype=_DTYPE, count=int(lengths.sum()))
     return tokens, lengths, block.size
 
 
@@ -242,29 +264,56 @@ def _check_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
     return paths
 
 
+def encode_deadline_s(size: int) -> float:
+    """Seconds a worker has to encode a block of `size` input bytes."""
+    return ENCODE_BASE_S + size / ENCODE_MIN_BYTES_PER_S
+
+
+def _regexes(tokenizer: Tokenizer) -> str:
+    patterns = tokenizer.regexes()
+    return f" ({', '.join(repr(p) for p in patterns)})" if patterns else ""
+
+
+def _finished(result, block: Block, start: int, deadline: float,
+              tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray, int]:
+    """The encoded block, or a one-line DataError when its deadline passed or the backend
+    gave up on it."""
+    where = f"{block.path} (bytes {start:,} to {start + block.size:,})"
+    try:
+        return result.get(max(0.0, deadline - time.monotonic()))
+    except multiprocessing.TimeoutError:
+        raise DataError(f"{where}: tokenizing {block.size:,} bytes took over "
+                        f"{encode_deadline_s(block.size):.0f} s (the bound: {ENCODE_BASE_S:g} s "
+                        f"plus 1 s per {ENCODE_MIN_BYTES_PER_S:,} bytes): a "
+                        f"regular expression of the tokenizer{_regexes(tokenizer)} is "
+                        "super-linear on this text (a very long word, say); split such "
+                        "documents or use a tokenizer without that pattern") from None
+    except BackendGaveUp as err:
+        raise DataError(f"{where}: the tokenizer gave up on this text ({err}): a regular "
+                        f"expression of its normalizer or pre-tokenizer{_regexes(tokenizer)} "
+                        "backtracks without bound; fix the pattern or remove the "
+                        "document") from None
+
+
 def _encoded_blocks(blocks: Iterator[Block], tokenizer: Tokenizer, dtype: np.dtype,
                     workers: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
-    """`encode_block` of each block, in order: here when `workers` is 1, else in `workers`
-    processes with at most 2 blocks per worker in flight."""
-    encoder = tokenizer.document_encoder()
-    if workers == 1:
-        yield from (encode_block(block, encoder, dtype) for block in blocks)
-        return
+    """`encode_block` of each block, in order, in `workers` processes with at most 2 blocks per
+    worker in flight, each within `encode_deadline_s` of being handed out (the workers are
+    ended when one is late)."""
     context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
-    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
-                               initargs=(encoder, dtype))
-    pending: collections.deque[Future] = collections.deque()
-    try:
+    pending: collections.deque = collections.deque()
+    offsets: dict[str, int] = {}
+    with context.Pool(workers, initializer=_start_worker,
+                      initargs=(tokenizer.document_encoder(), dtype)) as pool:
         for block in blocks:
-            pending.append(pool.submit(encode_block, block))
+            start = offsets.get(block.path, 0)
+            offsets[block.path] = start + block.size
+            pending.append((pool.apply_async(encode_block, (block,)), block, start,
+                            time.monotonic() + encode_deadline_s(block.size)))
             if len(pending) >= 2 * workers:
-                yield pending.popleft().result()
+                yield _finished(*pending.popleft(), tokenizer)
         while pending:
-            yield pending.popleft().result()
-    finally:
-        for future in pending:
-            future.cancel()
-        pool.shutdown(wait=True, cancel_futures=True)
+            yield _finished(*pending.popleft(), tokenizer)
 
 
 def preprocess(

@@ -34,8 +34,9 @@ with StopRequest(grace_s=1.0) as stop:
 
 
 def _signalled(step: str, signum: int) -> tuple[subprocess.CompletedProcess, float]:
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT.format(step=STEPS[step], block=step == "native")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    script = SCRIPT.format(step=STEPS[step], block=step == "native")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
         sent = time.monotonic()
@@ -54,8 +55,9 @@ def test_a_step_that_cannot_end_exits_after_the_grace_period(step):
     done, seconds = _signalled(step, signal.SIGTERM)
     assert done.returncode == 128 + signal.SIGTERM, done.stderr
     assert 1.0 <= seconds < 10
-    assert done.stderr.splitlines()[-1] == ("SIGTERM: this step did not end within training.stop_grace_s=1 s; "
-                         "exiting without a new checkpoint (the last one stays)")
+    assert done.stderr.splitlines()[-1] == (
+        "SIGTERM: this step did not end within training.stop_grace_s=1 s; exiting without a "
+        "new checkpoint (the last one stays)")
 
 
 def test_a_step_that_ends_in_time_is_not_cut_short():

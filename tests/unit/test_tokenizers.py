@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from megamoe.train import data_prep
 from megamoe.train.data_prep import preprocess
 from megamoe.train.tokenizer import (copy_tokenizer, identity, load_tokenizer,
                                      read_dataset_identity)
+from megamoe.train.tokenizer import hf as tokenizer_hf
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 from tiny_tokenizers import (DEEPSEEK_BOS, DEEPSEEK_EOS, save_deepseek_like, save_mixtral_like,
                              save_qwen_like)
@@ -267,6 +269,62 @@ def test_bad_tokenizers_exit_2_without_output(tokenizers, jsonl, tmp_path, capsy
         assert err.count("\n") == 1 and err.startswith("error: ") and re.search(message, err), (
             case, err)
         assert list(out.iterdir()) == [], case
+
+
+def _with_split(folder: Path, target: Path, pattern: str) -> Path:
+    """A copy of the tokenizer folder whose pre-tokenizer first splits on `pattern`."""
+    def edit(document: dict) -> None:
+        split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated",
+                 "invert": False}
+        document["pre_tokenizer"] = {"type": "Sequence",
+                                     "pretokenizers": [split, document["pre_tokenizer"]]}
+    return _edited_tokenizer_json(folder, target, edit)
+
+
+def test_a_quadratic_regex_on_a_long_word_is_stopped_in_bounded_time(tokenizers, tmp_path,
+                                                                       capsys, monkeypatch):
+    """`\\S*\\d` on a 100 kB word without a digit (quadratic: about a minute here): the block
+    misses its deadline (shortened to 1 s), the workers are ended, one line names the file, its
+    bytes and the pattern, and nothing is written."""
+    monkeypatch.setattr(data_prep, "ENCODE_BASE_S", 1.0)
+    monkeypatch.setattr(data_prep, "ENCODE_MIN_BYTES_PER_S", 1 << 40)
+    slow = _with_split(tokenizers["qwen-json-only"], tmp_path / "slow", r"\S*\d")
+    src = tmp_path / "long.jsonl"
+    src.write_text(json.dumps({"text": "fine 1"}) + "\n" + json.dumps({"text": "a" * 100_000})
+                   + "\n")
+    (tmp_path / "out").mkdir()
+    start = time.monotonic()
+    code, _, err = run(["--input", src, "--output-prefix", tmp_path / "out" / "ds",
+                        "--tokenizer", slow, "--workers", 2], capsys)
+    assert time.monotonic() - start < 30
+    assert code == 2 and err.count("\n") == 1, err
+    assert re.search(r"long\.jsonl \(bytes 0 to 100,\d+\): tokenizing 100,\d+ bytes took over "
+                     r"1 s .*tokenizer \('\\\\S\*\\\\d'\) is super-linear", err), err
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_an_exponential_regex_is_one_line_not_a_panic(tokenizers, tmp_path, capfd,
+                                                       monkeypatch):
+    """A pattern the regex engine gives up on: while preprocessing (the engine's panic, a
+    BaseException, in a worker), and at load when the probe text sets it off."""
+    runaway = _with_split(tokenizers["qwen-json-only"], tmp_path / "runaway", r"(x+x+)+y")
+    src = tmp_path / "xs.jsonl"
+    src.write_text(json.dumps({"text": "x" * 40}) + "\n")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(CLI_MAIN, [str(a) for a in ["--input", src, "--output-prefix",
+                                            tmp_path / "out" / "ds", "--tokenizer", runaway,
+                                            "--workers", 2, "--no-progress"]])
+    err = capfd.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert re.search(r"xs\.jsonl \(bytes 0 to 53\): the tokenizer gave up on this text "
+                     r"\(.*retry-limit-in-match.*\): .*'\(x\+x\+\)\+y'", err), err
+    assert list((tmp_path / "out").iterdir()) == []
+    monkeypatch.setattr(tokenizer_hf, "_PROBE", "x" * 40)  # the load-time probe sets it off
+    with pytest.raises(DataError, match=r"runaway: its regex engine gave up on a short probe "
+                                        r"text .*'\(x\+x\+\)\+y'") as caught:
+        load_tokenizer(runaway)
+    assert "\n" not in str(caught.value) and capfd.readouterr().err == ""
 
 
 def test_jsonl_line_without_the_key_exits_2(tokenizers, tmp_path, capsys):

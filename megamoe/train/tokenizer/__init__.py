@@ -14,5 +14,5 @@ from megamoe.train.tokenizer.spm import MODEL_TYPES, SentencePieceTokenizer, tra
 
 __all__ = ["DocumentEncoder", "HuggingFaceTokenizer", "MODEL_TYPES", "SentencePieceTokenizer",
            "Tokenizer", "copy_tokenizer", "dataset_identity", "describe_identity", "identity",
-           "identity_path", "index_checksum", "load_tokenizer", "read_dataset_identity", "train_sentencepiece",
-           "write_dataset_identity", "write_tokenizer_files"]
+           "identity_path", "index_checksum", "load_tokenizer", "read_dataset_identity",
+           "train_sentencepiece", "write_dataset_identity", "write_tokenizer_files"]

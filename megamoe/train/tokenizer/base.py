@@ -50,7 +50,8 @@ def fingerprint(vocab: dict[str, int], special: dict[int, str], eod: int, bos: i
         model = {key: value for key, value in (rules.get("model") or {}).items() if key != "vocab"}
         components.update(normalizer=_digest(rules.get("normalizer")),
                           pre_tokenizer=_digest(rules.get("pre_tokenizer")),
-                          merges=_digest(model), post_processor=_digest(rules.get("post_processor")))
+                          merges=_digest(model),
+                          post_processor=_digest(rules.get("post_processor")))
     components.update(bos=_digest([bos, add_bos]), eod=_digest(eod))
     return _digest(payload), components
 
@@ -110,6 +111,10 @@ class Tokenizer:
         """The ids `text` is written as in a dataset: [BOS when the model adds one] + its tokens
         + [EOD]."""
         raise NotImplementedError
+
+    def regexes(self) -> list[str]:
+        """The regular expressions its normalizer and pre-tokenizer run (for messages)."""
+        return []
 
     def describe(self) -> str:
         """A short description for messages."""

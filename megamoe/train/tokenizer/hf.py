@@ -216,6 +216,50 @@ def _end_of_document(hf, backend: BackendTokenizer, configs: dict[str, Any],
                     "tokenizer_config.json with its eos_token beside the tokenizer.json")
 
 
+def _patterns(section: Any) -> Iterator[str]:
+    """The regular expressions (`{"Regex": ...}`) anywhere in a serialized backend section."""
+    if isinstance(section, dict):
+        for key, value in section.items():
+            if key == "Regex" and isinstance(value, str):
+                yield value
+            else:
+                yield from _patterns(value)
+    elif isinstance(section, list):
+        for value in section:
+            yield from _patterns(value)
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 points to /dev/null meanwhile: the regex engine of `tokenizers` prints
+    a Rust backtrace there when it gives up, before Python sees its panic."""
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _probe_ids(hf, backend: BackendTokenizer, source: Path) -> tuple[list[int], list[int]]:
+    """(the backend's ids, transformers' ids) of the load-time probe text; a regex the engine
+    gives up on is a one-line DataError."""
+    try:
+        with _native_stderr_silenced():
+            return backend.encode(_PROBE).ids, hf(_PROBE)["input_ids"]
+    except BaseException as err:  # noqa: BLE001 - pyo3's PanicException derives from it
+        if type(err).__name__ != "PanicException":
+            raise
+        patterns = ", ".join(repr(p) for p in _patterns(json.loads(backend.to_str())))
+        raise DataError(f"tokenizer {source}: its regex engine gave up on a short probe text "
+                        f"({' '.join(str(err).split())}): a regular expression of its "
+                        f"normalizer or pre-tokenizer ({patterns}) backtracks without bound; "
+                        "fix the pattern") from None
+
+
 def _plain_backend(serialized: str, split_special_tokens: bool) -> BackendTokenizer:
     """The backend as transformers' __call__ runs it: no truncation, no padding."""
     backend = BackendTokenizer.from_str(serialized)
@@ -245,7 +289,8 @@ class HuggingFaceTokenizer(Tokenizer):
         self._serialized = hf.backend_tokenizer.to_str()
         self._split_special = bool(getattr(hf, "split_special_tokens", False))
         self._backend = backend = _plain_backend(self._serialized, self._split_special)
-        if backend.encode(_PROBE).ids != hf(_PROBE)["input_ids"]:
+        backend_ids, transformers_ids = _probe_ids(hf, backend, source)
+        if backend_ids != transformers_ids:
             raise DataError(f"transformers' {type(hf).__name__} for {source} tokenizes beyond "
                             "its tokenizers backend, which megamoe cannot reproduce; report it "
                             "with the model's name")
@@ -267,6 +312,10 @@ class HuggingFaceTokenizer(Tokenizer):
         rules = {key: backend_rules.get(key) for key in _RULES}
         self.fingerprint, self.components = fingerprint(
             vocab, special, self.eod, self.bos, self.add_bos, self.pad, self.vocab_size, rules)
+
+    def regexes(self) -> list[str]:
+        rules = json.loads(self._serialized)
+        return [*_patterns(rules.get("normalizer")), *_patterns(rules.get("pre_tokenizer"))]
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of `text`, without BOS/EOD (transformers' `add_special_tokens=False`)."""

@@ -202,7 +202,7 @@ def final_weights(raw: dict, folder: str) -> dict:
     config = config_from_dict(raw)
     setup_megatron(seed=config.training.seed)
     try:
-        _, tokenizer = data_sources(config)
+        tokenizer = data_sources(config)[1]
         tc = transformer_config(config, False, False)
         (model,) = build_model(config, tc, tokenizer.vocab_size)
         load_model_weights(folder, model, config, tokenizer=tokenizer)

@@ -226,6 +226,14 @@ def _edited_tokenizer_json(folder: Path, target: Path, edit) -> Path:
     return target
 
 
+def _edited_config(folder: Path, target: Path, **changes) -> Path:
+    """A copy of the tokenizer folder whose tokenizer_config.json has `changes`."""
+    shutil.copytree(folder, target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**config, **changes}))
+    return target
+
+
 def _bad_tokenizers(root: Path, tokenizers) -> dict:
     (root / "empty").mkdir(parents=True)
     (root / "not-a-tokenizer.json").write_text('{"vocab": {"a": 0}}')
@@ -325,6 +333,24 @@ def test_an_exponential_regex_is_one_line_not_a_panic(tokenizers, tmp_path, capf
                                         r"text .*'\(x\+x\+\)\+y'") as caught:
         load_tokenizer(runaway)
     assert "\n" not in str(caught.value) and capfd.readouterr().err == ""
+
+
+def test_a_tokenizer_class_transformers_lacks_is_announced(tokenizers, tmp_path, capsys,
+                                                            monkeypatch):
+    """tokenizer_config.json naming a class whose code only the model carries: transformers
+    builds its generic class over tokenizer.json, and a note says so, once, on rank 0."""
+    custom = _edited_config(tokenizers["qwen"], tmp_path / "custom",
+                            tokenizer_class="MyOwnTokenizer")
+    load_tokenizer(tokenizers["qwen"])
+    assert capsys.readouterr().err == ""
+    load_tokenizer(custom)
+    assert capsys.readouterr().err == (
+        f"note: tokenizer {custom}: tokenizer_config.json names the class 'MyOwnTokenizer', "
+        "whose code is not part of transformers; megamoe runs no code from model files and "
+        "tokenizes with transformers' TokenizersBackend over tokenizer.json\n")
+    monkeypatch.setenv("RANK", "1")
+    load_tokenizer(custom)
+    assert capsys.readouterr().err == ""
 
 
 def test_jsonl_line_without_the_key_exits_2(tokenizers, tmp_path, capsys):

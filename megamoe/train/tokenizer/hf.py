@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any, Iterable, Iterator, Sequence
 from tokenizers import Tokenizer as BackendTokenizer
 
 from megamoe.bounded import decode_utf8, parse_json, read_bytes_bounded
-from megamoe.errors import DataError
+from megamoe.errors import DataError, one_line
 from megamoe.paths import inside
 from megamoe.train.tokenizer.base import Tokenizer, fingerprint
 from megamoe.train.tokenizer.spm import MAX_MODEL_BYTES, load_proto
@@ -260,6 +261,21 @@ def _probe_ids(hf, backend: BackendTokenizer, source: Path) -> tuple[list[int], 
                         "fix the pattern") from None
 
 
+def _announce_custom_class(hf, configs: dict[str, Any], source: Path) -> None:
+    """One note on stderr (rank 0) when tokenizer_config.json names a tokenizer class that
+    transformers has only with the model's own code: megamoe runs none, so transformers builds
+    its generic class over tokenizer.json instead."""
+    named = configs.get("tokenizer_config.json", {}).get("tokenizer_class")
+    built = type(hf).__name__
+    if not isinstance(named, str) or named.removesuffix("Fast") == built.removesuffix("Fast"):
+        return
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: tokenizer {source}: tokenizer_config.json names the class "
+              f"{one_line(named)!r}, whose code is not part of transformers; megamoe runs no code "
+              f"from model files and tokenizes with transformers' {built} over tokenizer.json",
+              file=sys.stderr, flush=True)
+
+
 def _plain_backend(serialized: str, split_special_tokens: bool) -> BackendTokenizer:
     """The backend as transformers' __call__ runs it: no truncation, no padding."""
     backend = BackendTokenizer.from_str(serialized)
@@ -286,6 +302,7 @@ class HuggingFaceTokenizer(Tokenizer):
         model_type = configs.get(MODEL_CONFIG, {}).get("model_type")
         self.model_type = model_type if isinstance(model_type, str) else None
         self._hf = hf = _build(files, source)
+        _announce_custom_class(hf, configs, source)
         self._serialized = hf.backend_tokenizer.to_str()
         self._split_special = bool(getattr(hf, "split_special_tokens", False))
         self._backend = backend = _plain_backend(self._serialized, self._split_special)

@@ -158,7 +158,7 @@ def check_across(config: TrainConfig) -> None:
                 f"0..{m.num_layers - 1}")
     for layer in [None, *config.moe.layer_overrides]:
         config.moe_config(layer).check_expert_parallel(p.expert)
-    check_model_size(config)
+    check_model_size(config.model, config.moe, config.data, config.training)
 
 
 def _check_multi_token_prediction(config: TrainConfig) -> None:

@@ -14,6 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import warm_launcher
 from run_harness import (
     QUICK,
     REPO,
@@ -90,8 +91,10 @@ def _kill_one_rank(proc: subprocess.Popen, out: Path, during_save: bool,
 
 def test_sigkilled_ranks_resume_bit_identical(corpus_cache, tmp_path):
     reference = tmp_path / "reference"
-    done = subprocess.run(train_command(2, corpus_cache, reference, *RUN), cwd=REPO, env=env(),
-                          capture_output=True, text=True, timeout=1800)
+    # The uninterrupted reference and the final resume need no torchrun of their own: they run
+    # warm (tests/warm_launcher.py); the killed runs are real torchrun processes.
+    done = warm_launcher.run(train_command(2, corpus_cache, reference, *RUN), cwd=REPO,
+                             env=env(), timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
 
     out, rng = tmp_path / "killed", random.Random(13)
@@ -110,8 +113,8 @@ def test_sigkilled_ranks_resume_bit_identical(corpus_cache, tmp_path):
         assert proc.returncode != 0
         assert detected < DETECTION_LIMIT_S, detections
         detections.append(detected)
-    final = subprocess.run(train_command(2, corpus_cache, out, *RUN), cwd=REPO, env=env(),
-                           capture_output=True, text=True, timeout=1800)
+    final = warm_launcher.run(train_command(2, corpus_cache, out, *RUN), cwd=REPO, env=env(),
+                              timeout=1800)
     assert final.returncode == 0, final.stderr[-3000:]
     print(f"{KILLS} kills; seconds from SIGKILL to torchrun's exit: "
           + ", ".join(f"{d:.2f}" for d in detections))

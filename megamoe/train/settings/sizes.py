@@ -11,14 +11,11 @@ weights).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from megamoe.config import moe_layer_pattern
 from megamoe.errors import ConfigError
 from megamoe.settings import flat_values
-
-if TYPE_CHECKING:
-    from megamoe.train.config import TrainConfig
 
 MAX_SIZE = {
     "model.num_layers": 2**10,
@@ -44,39 +41,40 @@ MAX_EXPERT_WEIGHTS = 2**18
 """Routed experts initialised by one build: MoE layers x experts, summed over the layers."""
 
 
-def _moe_settings(config: TrainConfig) -> list[tuple[str, dict]]:
+def _moe_settings(moe: Any) -> list[tuple[str, dict]]:
     """(setting prefix, {dotted setting: value}) of the base `moe` section and of each layer
     override."""
-    section = {name: value for name, value in config.moe.to_dict().items()
+    section = {name: value for name, value in moe.to_dict().items()
                if name != "layer_overrides"}
     return [("moe", flat_values(section)),
             *((f"moe.layer_overrides.{layer}", flat_values(changes))
-              for layer, changes in config.moe.layer_overrides.items())]
+              for layer, changes in moe.layer_overrides.items())]
 
 
-def _sizes(config: TrainConfig) -> list[tuple[str, str, object]]:
+def _sizes(sections: dict[str, Any]) -> list[tuple[str, str, object]]:
     """(limit name, setting as the user writes it, value) of every bounded size present."""
     found = []
     for name in MAX_SIZE:
         section, field = name.split(".", 1)
         if section == "moe":
             found += [(name, f"{prefix}.{field}", values[field])
-                      for prefix, values in _moe_settings(config) if field in values]
+                      for prefix, values in _moe_settings(sections["moe"]) if field in values]
         else:
-            found.append((name, name, getattr(getattr(config, section), field)))
+            found.append((name, name, getattr(sections[section], field)))
     return found
 
 
-def check_model_size(config: TrainConfig) -> None:
+def check_model_size(model: Any, moe: Any, data: Any, training: Any) -> None:
     """A one-line ConfigError for a size beyond `MAX_SIZE`, a layer override's included, or a
-    model whose build would initialise more than `MAX_EXPERT_WEIGHTS` routed experts."""
-    for name, setting, value in _sizes(config):
+    model whose build would initialise more than `MAX_EXPERT_WEIGHTS` routed experts (the
+    config's `model`, `moe`, `data` and `training` sections)."""
+    sections = {"model": model, "moe": moe, "data": data, "training": training}
+    for name, setting, value in _sizes(sections):
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_SIZE[name]:
             raise ConfigError(f"{setting}={value} is beyond the largest model megamoe builds "
                               f"(at most {MAX_SIZE[name]:,}); choose a smaller size")
-    pattern = moe_layer_pattern(config.model, config.model.first_k_dense)
-    experts = sum(config.moe.layer(layer).num_experts
-                  for layer, moe in enumerate(pattern) if moe)
+    pattern = moe_layer_pattern(model, model.first_k_dense)
+    experts = sum(moe.layer(layer).num_experts for layer, is_moe in enumerate(pattern) if is_moe)
     if experts > MAX_EXPERT_WEIGHTS:
         raise ConfigError(f"moe.num_experts: {experts:,} routed experts over the MoE layers are "
                           f"beyond the largest model megamoe builds (at most "

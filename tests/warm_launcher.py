@@ -48,6 +48,8 @@ import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
+import psutil
+
 # Imported by the server before it forks: what the trainer and the converters would otherwise
 # import themselves (torch, Megatron-Core and the rest come with megamoe's modules).
 PRELOAD = ("sentencepiece", "tokenizers", "safetensors.torch", "megamoe.train.loop",
@@ -107,6 +109,7 @@ def _become(request: dict, fds: list[int], rank_env: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update({**request["env"], **rank_env})
+    _set_threads_as_a_fresh_process()
     kind, target, args = request["kind"], request["target"], request["args"]
     sys.argv = [target, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(target)) if kind == "script" else os.getcwd()
@@ -114,6 +117,19 @@ def _become(request: dict, fds: list[int], rank_env: dict) -> None:
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
         runpy.run_path(target, run_name="__main__")
+
+
+def _set_threads_as_a_fresh_process() -> None:
+    """torch's intra-op threads as a fresh interpreter with this environment starts with
+    (OMP_NUM_THREADS, else one per physical core): the server's torch kept the count of its
+    own environment, and a reduction split over another count of threads sums in another
+    order (a torchrun worker gets OMP_NUM_THREADS=1)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(value) if value.isdigit() and int(value) > 0
+                          else psutil.cpu_count(logical=False) or 1)
 
 
 def _fork_ranks(request: dict, fds: list[int], closing: list[socket.socket],

@@ -1,34 +1,20 @@
 """Upcycling dense checkpoints written by two gloo processes (TP=2, and PP=2), loaded back by
 Megatron-Core's own MoE model at TP=2, EP=2 and PP=1; logits must match the dense model's.
 
-The test starts this file twice as a script (RANK 0 and 1); the workers write their results to
-a JSON file that the test checks.
+One spawn of two ranks (forked from the session's forkserver) runs `_worker`, which returns the
+largest logit difference of each case.
 """
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
+
+from megamoe.parallel.spawn import spawn_ranks as spawn
 
 HERE = Path(__file__).resolve().parent
 TOL = 1e-4
 
 
 def test_tp2_and_pp2_dense_checkpoints_upcycle_and_load(tmp_path):
-    from warm_launcher import free_port  # not at the top: the ranks run this file as a script
-
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "TORCHDYNAMO_DISABLE": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(Path(__file__)), str(tmp_path)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    outputs = [proc.communicate(timeout=1000)[0] for proc in procs]
-    for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{outputs[rank][-4000:]}"
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = spawn(2, _worker, str(tmp_path / "spawn"), 1000, workdir=str(tmp_path))[0]
     assert set(results) == {"tp2_torch_dist", "tp2_legacy", "ep2_from_tp2_legacy",
                             "pp2_legacy_granular", "pp2_legacy_mixed"}
     for name, diff in results.items():
@@ -37,7 +23,8 @@ def test_tp2_and_pp2_dense_checkpoints_upcycle_and_load(tmp_path):
 
 # ---------------------------------------------------------------- worker (one per rank)
 
-def _worker(workdir: Path) -> None:
+def _worker(rank: int, world_size: int, workdir: str) -> dict[str, float]:
+    """{case: max |logit difference|, the same on both ranks}."""
     sys.path[:0] = [str(HERE.parent / "unit"), str(HERE.parent), str(HERE.parents[1])]
     import torch
     import torch.distributed as dist
@@ -49,7 +36,7 @@ def _worker(workdir: Path) -> None:
     from megamoe.upcycle import UpcycleRecipe, upcycle_checkpoint
 
     dist.init_process_group("gloo", init_method="env://")
-    rank = dist.get_rank()
+    workdir = Path(workdir)
     results = {}
     ids = ck.tokens(seed=5)
 
@@ -127,11 +114,5 @@ def _worker(workdir: Path) -> None:
     results["pp2_legacy_mixed"] = max_diff(ck.logits(moe, ids), reference)
     teardown_megatron()
 
-    if rank == 0:
-        (workdir / "results.json").write_text(json.dumps(results))
-    dist.barrier()
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    _worker(Path(sys.argv[1]))
+    return results

@@ -265,15 +265,16 @@ def _announce_custom_class(hf, configs: dict[str, Any], source: Path) -> None:
     """One note on stderr (rank 0) when tokenizer_config.json names a tokenizer class that
     transformers has only with the model's own code: megamoe runs none, so transformers builds
     its generic class over tokenizer.json instead."""
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
     named = configs.get("tokenizer_config.json", {}).get("tokenizer_class")
-    built = type(hf).__name__
-    if not isinstance(named, str) or named.removesuffix("Fast") == built.removesuffix("Fast"):
+    if not isinstance(named, str) or tokenizer_class_from_name(named) is not None:
         return
     if os.environ.get("RANK", "0") == "0":
         print(f"note: tokenizer {source}: tokenizer_config.json names the class "
               f"{one_line(named)!r}, whose code is not part of transformers; megamoe runs no code "
-              f"from model files and tokenizes with transformers' {built} over tokenizer.json",
-              file=sys.stderr, flush=True)
+              f"from model files and tokenizes with transformers' {type(hf).__name__} over "
+              "tokenizer.json", file=sys.stderr, flush=True)
 
 
 def _plain_backend(serialized: str, split_special_tokens: bool) -> BackendTokenizer:

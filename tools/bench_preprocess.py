@@ -1,12 +1,15 @@
 """Benchmark tools/preprocess_data.py against Megatron-LM's own tools/preprocess_data.py.
 
     python tools/bench_preprocess.py --megatron-lm /path/to/Megatron-LM --workdir /tmp/bench \\
-        [--input corpus.jsonl | --size-mb 200] [--tokenizer MODEL_DIR] [--cores 0,1] \\
-        [--workers 2] [--pythonpath DIR] [--results bench.json]
+        [--input corpus.jsonl | --size-mb 200 --documents pieces|files] \\
+        [--tokenizer MODEL_DIR] [--cores 0,1] [--workers 2] [--pythonpath DIR] \\
+        [--results bench.json]
 
 1. The corpus: `--input`, or a jsonl of `--size-mb` MB (default 200) made from this Python's
-   standard library sources (code, docstrings and comments; one document per blank-line
-   separated run of up to ~8 KB), written to WORKDIR/corpus.jsonl once.
+   standard library sources (code, docstrings and comments), written to
+   WORKDIR/corpus-DOCUMENTS.jsonl once: `--documents pieces` (the default), one document per
+   blank-line separated run of up to ~8 KB; `--documents files`, real sizes: each source file
+   whole, then each folder's files joined (a package, a test suite) up to 5 MB a document.
 2. The tokenizer: `--tokenizer`, or a Qwen-like one trained once on the first 16 MB of the
    corpus with the `tokenizers` library (byte-level BPE, 32,000 ids, `Qwen2Tokenizer` class,
    EOS = pad = `<|endoftext|>`, no BOS), in WORKDIR/tokenizer.
@@ -36,6 +39,7 @@ import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -46,31 +50,58 @@ from megamoe.ownership import check_file_output, check_folder_output, claim_fold
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = "bench_preprocess"
 DOCUMENT_BYTES = 8192
+MAX_DOCUMENT_BYTES = 5 << 20
 TOKENIZER_SAMPLE_BYTES = 16 << 20
 TOKENIZER_VOCAB = 32000
 SAMPLE_SECONDS = 0.05
 
 
-def make_corpus(path: Path, size_mb: int) -> None:
-    """A jsonl of about `size_mb` MB of documents cut from the standard library's sources."""
-    sources = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+def _stdlib_texts() -> Iterator[tuple[Path, str]]:
+    """(path, text) of each readable source file of this Python's standard library."""
+    for source in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        try:
+            yield source, source.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+
+
+def _pieces(texts: list[tuple[Path, str]]) -> Iterator[str]:
+    """Documents of about DOCUMENT_BYTES: runs of blank-line separated parts of each file."""
+    for _, text in texts:
+        document: list[str] = []
+        for part in text.split("\n\n"):
+            document.append(part)
+            if sum(map(len, document)) >= DOCUMENT_BYTES:
+                yield "\n\n".join(document)
+                document = []
+
+
+def _files(texts: list[tuple[Path, str]]) -> Iterator[str]:
+    """Real documents of every size: each source file whole, then each folder's files joined
+    (a package, a test suite), cut at MAX_DOCUMENT_BYTES."""
+    folders: dict[Path, list[str]] = {}
+    for path, text in texts:
+        yield text
+        folders.setdefault(path.parent, []).append(text)
+    for parts in folders.values():
+        joined = "\n\n".join(parts)
+        for start in range(0, len(joined), MAX_DOCUMENT_BYTES):
+            yield joined[start:start + MAX_DOCUMENT_BYTES]
+
+
+def make_corpus(path: Path, size_mb: int, documents: str) -> None:
+    """A jsonl of about `size_mb` MB of documents from the standard library's sources:
+    `pieces` of about DOCUMENT_BYTES, or whole `files` and folders (up to 5 MB each)."""
+    texts = list(_stdlib_texts())
+    cut = {"pieces": _pieces, "files": _files}[documents]
     target = size_mb << 20
     written = 0
     with open(path.with_suffix(".partial"), "w", encoding="utf-8") as out:
         while written < target:
-            for source in sources:
-                try:
-                    text = source.read_text(encoding="utf-8")
-                except (OSError, UnicodeDecodeError):
-                    continue
-                document: list[str] = []
-                for part in text.split("\n\n"):
-                    document.append(part)
-                    if sum(map(len, document)) >= DOCUMENT_BYTES:
-                        line = json.dumps({"text": "\n\n".join(document)}) + "\n"
-                        out.write(line)
-                        written += len(line)
-                        document = []
+            for text in cut(texts):
+                line = json.dumps({"text": text}) + "\n"
+                out.write(line)
+                written += len(line)
                 if written >= target:
                     break
     os.replace(path.with_suffix(".partial"), path)
@@ -190,6 +221,9 @@ def _parser() -> CliArgumentParser:
     p.add_argument("--input", help="a jsonl to use instead of the generated corpus")
     p.add_argument("--size-mb", type=int_at_least(1), default=200,
                    help="size of the generated corpus")
+    p.add_argument("--documents", choices=("pieces", "files"), default="pieces",
+                   help="the generated corpus's documents: pieces of ~8 KB, or whole source "
+                        "files and folders (real sizes, up to 5 MB)")
     p.add_argument("--tokenizer", help="a Hugging Face tokenizer folder (default: a trained "
                                        "Qwen-like one)")
     p.add_argument("--cores", default="0,1", help="the CPU cores both commands run on")
@@ -220,10 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--cores {args.cores} are not all available here "
                           f"({sorted(os.sched_getaffinity(0))})")
     work = claim_folder(args.workdir, TOOL, "--workdir", inputs)
-    corpus = Path(args.input) if args.input else work / "corpus.jsonl"
+    corpus = Path(args.input) if args.input else work / f"corpus-{args.documents}.jsonl"
     if not corpus.is_file():
         print(f"making a {args.size_mb} MB corpus at {corpus}", flush=True)
-        make_corpus(corpus, args.size_mb)
+        make_corpus(corpus, args.size_mb, args.documents)
     tokenizer = Path(args.tokenizer) if args.tokenizer else work / "tokenizer"
     if not tokenizer.is_dir():
         print(f"training a {TOKENIZER_VOCAB}-id tokenizer at {tokenizer}", flush=True)

@@ -15,18 +15,21 @@ Beside the dataset goes its tokenizer's identity, PREFIX.tokenizer-identity.json
 
 Speed and memory: the input is cut into blocks of about BLOCK_BYTES at line ends and `workers`
 processes tokenize blocks (parse the JSON, encode the batch with the tokenizers library or
-sentencepiece) while this process writes finished blocks in input order (a window of 2 blocks
-per worker in flight, so memory is bounded whatever the input size; one record may be at most
-MAX_RECORD_BYTES). All outputs are written under temporary names and renamed into place only
-when everything succeeded, so a failure leaves nothing behind.
+sentencepiece) while this process writes finished blocks in input order. At most
+MAX_IN_FLIGHT_BYTES of input (or one larger block) are handed out and not yet written, so
+memory is bounded whatever the input size (one record may be at most MAX_RECORD_BYTES), and
+the window is wide enough that the other workers keep busy while one encodes a document of
+megabytes (a window of a few blocks per worker left them idle behind it). All outputs are
+written under temporary names and renamed into place only when everything succeeded, so a
+failure leaves nothing behind.
 
 Bounded time: a tokenizer's normalizer and pre-tokenizer run regular expressions, and a
 super-linear one (`\\S*\\d` is quadratic in the length of a word without a digit: a 1 MB word
 takes about an hour) would hold a worker for as long. So each block must be encoded within
 `encode_deadline_s` of its size (30 s plus 1 s per 16 KiB, a hundred times what the slowest
-tokenizer needs), or the run stops with one line naming the file, the bytes and the tokenizer's
-regular expressions. A pattern whose backtracking the regex engine gives up on (an exponential
-one) is one line too, not the engine's panic.
+tokenizer needs) once it is the oldest in flight, or the run stops with one line naming the
+file, the bytes and the tokenizer's regular expressions. A pattern whose backtracking the regex
+engine gives up on (an exponential one) is one line too, not the engine's panic.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ JSONL_SUFFIXES = (".jsonl", ".json")
 BLOCK_BYTES = 1 << 20  # input bytes per task: large enough to amortise a task, small to stream
 MAX_RECORD_BYTES = 256 << 20  # one jsonl line or text paragraph
 MAX_INPUT_BYTES = 1 << 50
+MAX_IN_FLIGHT_BYTES = 64 << 20  # input handed to workers and not yet written
 ENCODE_BASE_S = 30.0
 ENCODE_MIN_BYTES_PER_S = 16 << 10
 
@@ -274,13 +278,13 @@ def _regexes(tokenizer: Tokenizer) -> str:
     return f" ({', '.join(repr(p) for p in patterns)})" if patterns else ""
 
 
-def _finished(result, block: Block, start: int, deadline: float,
+def _finished(result, block: Block, start: int,
               tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray, int]:
-    """The encoded block, or a one-line DataError when its deadline passed or the backend
-    gave up on it."""
+    """The encoded block, waited for (as the oldest in flight) at most `encode_deadline_s` of
+    its size, or a one-line DataError when that passed or the backend gave up on it."""
     where = f"{block.path} (bytes {start:,} to {start + block.size:,})"
     try:
-        return result.get(max(0.0, deadline - time.monotonic()))
+        return result.get(encode_deadline_s(block.size))
     except multiprocessing.TimeoutError:
         raise DataError(f"{where}: tokenizing {block.size:,} bytes took over "
                         f"{encode_deadline_s(block.size):.0f} s (the bound: {ENCODE_BASE_S:g} s "
@@ -297,21 +301,24 @@ def _finished(result, block: Block, start: int, deadline: float,
 
 def _encoded_blocks(blocks: Iterator[Block], tokenizer: Tokenizer, dtype: np.dtype,
                     workers: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
-    """`encode_block` of each block, in order, in `workers` processes with at most 2 blocks per
-    worker in flight, each within `encode_deadline_s` of being handed out (the workers are
-    ended when one is late)."""
+    """`encode_block` of each block, in order, in `workers` processes with at most
+    MAX_IN_FLIGHT_BYTES of input in flight (and at least one block); the oldest block must be
+    done within `encode_deadline_s` of its size once it is waited for (the workers are ended
+    when it is late)."""
     context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
     pending: collections.deque = collections.deque()
     offsets: dict[str, int] = {}
+    in_flight = 0
     with context.Pool(workers, initializer=_start_worker,
                       initargs=(tokenizer.document_encoder(), dtype)) as pool:
         for block in blocks:
+            while pending and in_flight + block.size > MAX_IN_FLIGHT_BYTES:
+                in_flight -= pending[0][1].size
+                yield _finished(*pending.popleft(), tokenizer)
             start = offsets.get(block.path, 0)
             offsets[block.path] = start + block.size
-            pending.append((pool.apply_async(encode_block, (block,)), block, start,
-                            time.monotonic() + encode_deadline_s(block.size)))
-            if len(pending) >= 2 * workers:
-                yield _finished(*pending.popleft(), tokenizer)
+            pending.append((pool.apply_async(encode_block, (block,)), block, start))
+            in_flight += block.size
         while pending:
             yield _finished(*pending.popleft(), tokenizer)
 

@@ -34,8 +34,7 @@ def _differing(record: dict, tokenizer: Tokenizer) -> list[str] | None:
     if "components" not in record:
         return None
     recorded, loaded = record["components"], tokenizer.components
-    return [name for name in ID_COMPONENTS
-            if name in recorded or name in loaded if recorded.get(name) != loaded.get(name)]
+    return [name for name in ID_COMPONENTS if recorded.get(name) != loaded.get(name)]
 
 
 def check_data_tokenizer(prefix: str, tokenizer: Tokenizer) -> str | None:

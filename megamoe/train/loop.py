@@ -302,8 +302,7 @@ def _train(run: _Run, stop: StopRequest) -> None:
         logger.log(step, {"loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                           "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
                           "consumed_samples": state.consumed_samples, **moe_metrics})
-        if stops > 0:
-            stop.step_ended()
+        stop.step_ended()
         exiting = stops > 0 or _every(step, config.training.exit_interval)
         if exiting or step == config.training.train_steps or \
                 _every(step, config.checkpoint.interval):

@@ -9,10 +9,11 @@ Ctrl-C does elsewhere (a save it interrupts leaves a temporary folder, which the
 removes).
 
 A step that cannot end (a peer that died inside a collective, an optimizer that never
-converges) would hold the run until SIGKILL. So a rank that has not reached the end of its step
+converges) would hold the run until SIGKILL. So a rank that has not reached the end of a step
 `grace_s` seconds after the first stop signal exits at once, with code 128 + the signal and no
 new checkpoint; the last complete one stays (saves are atomic), and so nothing is left
-half-written. The grace clock starts when the signal arrives, even while the main thread is
+half-written. The end of a step comes before its checkpoint is written, so that save is never
+cut short; a save already under way when the signal comes counts toward the grace. The grace clock starts when the signal arrives, even while the main thread is
 inside one long native call (Python runs its handlers only between bytecodes): the C-level
 handler writes the signal's number to a wakeup pipe (`signal.set_wakeup_fd`), which a watcher
 thread reads.
@@ -36,6 +37,7 @@ class StopRequest:
         self.signum: Optional[int] = None
         self.grace_s = grace_s
         self._step_ended = threading.Event()
+        self._signalled = False  # the watcher read a stop signal (its handler may not have run)
         self._previous: dict = {}
         self._wakeup: Optional[int] = None
         self._previous_wakeup = -1
@@ -77,6 +79,7 @@ class StopRequest:
                 if not received:  # restored: the run is over
                     return
                 stops = [signum for signum in received if signum in STOP_SIGNALS]
+        self._signalled = True
         if self._step_ended.wait(self.grace_s):
             return
         name = signal.Signals(stops[0]).name
@@ -97,6 +100,7 @@ class StopRequest:
         return self.signum is not None
 
     def step_ended(self) -> None:
-        """The loop reached the end of a step with the stop agreed: the grace clock stops (the
-        save that follows is not cut short)."""
-        self._step_ended.set()
+        """The loop reached the end of a step (before its checkpoint is written): once a stop
+        signal has come, the grace clock stops, so the save that follows is not cut short."""
+        if self.signum is not None or self._signalled:
+            self._step_ended.set()

@@ -26,6 +26,7 @@ SCRIPT = """
 import ctypes, signal, sys, time
 from megamoe.train.signals import StopRequest
 with StopRequest(grace_s=1.0) as stop:
+    stop.step_ended()  # a step that ended before the signal does not stop the later clock
     if {block}:
         signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
     print("ready", flush=True)

@@ -49,7 +49,7 @@ class TrainingConfig:
     stop_grace_s: float = 120.0
     """After a stop signal (SIGTERM, SIGUSR1, SIGINT), a rank that has not reached the end of
     its step within this many seconds exits at once, with code 128 + the signal and no new
-    checkpoint (the last one stays); its checkpoint save, once begun, is not cut short. 0: wait
+    checkpoint (the last one stays); the save after the step it reaches is not cut short. 0: wait
     for the step however long it takes. launch/pretrain_moe.sh signals 120 s before the time
     limit."""
 

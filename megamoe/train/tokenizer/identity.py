@@ -22,6 +22,7 @@ _IDENTITY_KEYS = {"fingerprint": str, "kind": str, "vocab_size": int, "eod": int
                   "add_bos": bool}
 _MAX_IDENTITY_BYTES = 1 << 20
 _HASH_CHUNK = 1 << 20
+_MAX_INDEX_BYTES = 1 << 40  # a .idx holds ~10 bytes per document
 _SNIFF_BYTES = 64
 
 
@@ -142,7 +143,11 @@ def read_dataset_identity(prefix: str | os.PathLike) -> dict | None:
             all(isinstance(value, str) for value in components.values())):
         raise DataError(f"{path}: 'components' is not a mapping of names to digests; {fix}")
     checksum = record.get("idx_sha256")
-    if checksum is not None and checksum != index_checksum(f"{prefix}.idx"):
+    idx = f"{prefix}.idx"
+    if checksum is not None:
+        regular_file_size(idx, _MAX_INDEX_BYTES, DataError, f"the index {idx} of the dataset "
+                          f"{path} describes")
+    if checksum is not None and checksum != index_checksum(idx):
         raise DataError(f"{path} describes other data: its .idx checksum is not that of "
-                        f"{prefix}.idx (a record copied from another dataset?); {fix}")
+                        f"{idx} (a record copied from another dataset?); {fix}")
     return record

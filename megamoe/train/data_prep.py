@@ -39,6 +39,7 @@ import contextlib
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import time
 from dataclasses import dataclass
@@ -120,9 +121,16 @@ _DTYPE: np.dtype | None = None
 
 def _start_worker(encoder: Callable, dtype: np.dtype) -> None:
     """Worker initializer: one tokenizer per process, single-threaded (the processes are the
-    parallelism); the worker's stderr is silenced, as a regex engine's panic prints its
+    parallelism). The signals a forked worker inherits from a trainer (which only records a
+    stop) go back to what a worker needs: SIGTERM ends it (the pool ends its workers so), and
+    SIGINT and SIGUSR1, which reach every process of a terminal or a Slurm step, are left to
+    the process that owns the pool. Its stderr is silenced, as a regex engine's panic prints its
     backtrace there (the failure itself comes back as `BackendGaveUp`)."""
     global _ENCODER, _DTYPE
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)
@@ -321,6 +329,8 @@ def _encoded_blocks(blocks: Iterator[Block], tokenizer: Tokenizer, dtype: np.dty
             in_flight += block.size
         while pending:
             yield _finished(*pending.popleft(), tokenizer)
+        pool.close()  # the workers end on the pool's sentinel; leaving `with` ends the rest
+        pool.join()
 
 
 def preprocess(

@@ -204,6 +204,31 @@ def test_blocks_and_workers_keep_the_order(tokenizers, tmp_path, monkeypatch):
     assert not list(tmp_path.glob("bad*")) and not list(tmp_path.glob(".bad*"))
 
 
+def test_a_preprocessing_worker_dies_of_sigterm_under_a_trainers_stop_handlers():
+    """A trainer builds its default corpus with its stop handlers installed, which only record a
+    SIGTERM; a worker forked then must still die of the SIGTERM its pool ends it with, or the
+    pool's end waits for it forever (a rank of the 3.12 leg hung so). A fresh interpreter, so
+    the handlers are a trainer's; the worker is forked as the pool forks it."""
+    script = textwrap.dedent("""
+        import os, signal, time
+        import numpy as np
+        from megamoe.train import data_prep
+        from megamoe.train.signals import StopRequest
+        with StopRequest(grace_s=60):
+            pid = os.fork()
+            if pid == 0:
+                data_prep._start_worker(None, np.dtype(np.uint16))
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+                os._exit(0)
+            _, status = os.waitpid(pid, 0)
+        print(os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["True"], done.stderr[-2000:]
+
+
 def _set_vocab_id(document: dict, rank: int, new_id: int) -> None:
     """Give the vocabulary's `rank`-th token (in file order) the id `new_id`."""
     token = list(document["model"]["vocab"])[rank]

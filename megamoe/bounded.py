@@ -168,8 +168,10 @@ def _bounded_int(text: str) -> int:
     return int(text)
 
 
-def parse_json(text: str, error: type[MegaMoEError], what: str) -> Any:
-    """`json.loads(text)` within the limits; a syntax error names its position."""
+def parse_json(text: str, error: type[MegaMoEError], what: str,
+               max_nodes: int = MAX_NODES) -> Any:
+    """`json.loads(text)` within the limits (at most `max_nodes` values); a syntax error names
+    its position."""
     try:
         value = json.loads(text, parse_int=_bounded_int)
     except RecursionError:
@@ -181,7 +183,7 @@ def parse_json(text: str, error: type[MegaMoEError], what: str) -> Any:
     except ValueError as err:
         raise error(f"{what} holds {str(err)[:80]}; the limit is {MAX_INT_DIGITS} "
                     "digits") from None
-    check_structure(value, error, what)
+    check_structure(value, error, what, max_nodes=max_nodes)
     return value
 
 

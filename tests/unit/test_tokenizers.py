@@ -229,6 +229,21 @@ def test_a_preprocessing_worker_dies_of_sigterm_under_a_trainers_stop_handlers()
     assert done.returncode == 0 and done.stdout.split() == ["True"], done.stderr[-2000:]
 
 
+@pytest.mark.slow
+def test_a_vocabulary_of_over_a_million_json_values_loads(tmp_path):
+    """300,000 ids with their merges saved as pairs: 1.5 million JSON values in 7 MB (Llama 3's
+    tokenizer.json, saved by a recent tokenizers, holds 1.1 million). The file's size bounds
+    it, not the value count of configs; its ids are the backend's own."""
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    folder = tool_module("bench_tokenizer_load").synthetic_bpe(tmp_path / "big", 300_000)
+    tokenizer = load_tokenizer(folder)
+    backend = BackendTokenizer.from_file(str(folder / "tokenizer.json"))
+    assert tokenizer.vocab_size == 300_001
+    text = "def main():\n    return 0\n"
+    assert tokenizer.tokenize(text) == backend.encode(text).ids
+
+
 def _set_vocab_id(document: dict, rank: int, new_id: int) -> None:
     """Give the vocabulary's `rank`-th token (in file order) the id `new_id`."""
     token = list(document["model"]["vocab"])[rank]

@@ -100,7 +100,10 @@ def _check_tokenizer_json(text: str, path: Path) -> int:
     """Refuse ids outside the number of entries, or given twice, in a tokenizer.json's
     vocabulary and added tokens, before the tokenizers library reads it; returns the number of
     entries (the bound of every id)."""
-    document = parse_json(text, DataError, str(path))
+    # Its size is bounded (MAX_TOKENIZER_BYTES) and a JSON value takes a byte at least, while a
+    # large vocabulary with its merges holds millions of values (Llama 3's 128k ids and 280k
+    # merges saved as pairs: 1.1 million).
+    document = parse_json(text, DataError, str(path), max_nodes=len(text))
     model = document.get("model") if isinstance(document, dict) else None
     added = document.get("added_tokens") if isinstance(document, dict) else None
     vocab = model.get("vocab") if isinstance(model, dict) else None

@@ -34,6 +34,7 @@ CASES = {
     "bench_parameter_counts": (["--model", "nosuch"], "'nosuch' is not a released model"),
     "bench_preprocess": (["--megatron-lm", "{tmp}/missing", "--workdir", "{tmp}/work"],
                          "is not a Megatron-LM checkout"),
+    "bench_tokenizer_load": (["--entries", "12"], "--entries '12' must be comma-separated"),
     "bench_upcycle": (["--workdir", "{tmp}/work", "--experts", "4", "--topk", "8"],
                       "--topk 8 exceeds --experts 4"),
     "export_hf": (["--load", "{tmp}/missing", "--save", "{tmp}/out"],

@@ -36,7 +36,7 @@ from megamoe.registry import ACTIVATIONS, DISPATCHERS, ROUTERS
 from megamoe.settings import (build, check_choice, check_fields, deep_merge, model_setting,
                               resolve_kind, section, training_setting)
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 BIAS = "bias"
 ADAPTIVE_AUX = "adaptive_aux_loss"
 BALANCE_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss", ADAPTIVE_AUX)
@@ -57,7 +57,9 @@ class RouterConfig:
     transport) or `base` (BASE layers, arXiv 2103.16716). None: the one this class configures."""
 
     score_function: str = model_setting("softmax")
-    """`softmax` or `sigmoid` router scores."""
+    """Router scores: `softmax`, `sigmoid`, or `sqrtsoftplus`, sqrt(softplus(logit)) (DeepSeek-V4;
+    Megatron-Core 0.19's `moe_router_score_function`), which like sigmoid scores each expert on
+    its own and is renormalised over the chosen ones."""
 
     pre_softmax: bool = model_setting(False)
     """softmax only: gates are the softmax over all experts (True) or renormalised over the chosen

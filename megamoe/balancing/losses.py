@@ -17,7 +17,8 @@ import torch
 
 
 def per_token_distribution(probs_TE: torch.Tensor) -> torch.Tensor:
-    """The router distribution P per token: softmax as is, sigmoid scores normalised to sum 1."""
+    """The router distribution P per token: softmax as is, sigmoid or sqrtsoftplus scores
+    normalised to sum 1."""
     return probs_TE / probs_TE.sum(-1, keepdim=True).clamp_min(1e-20)
 
 

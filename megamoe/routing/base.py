@@ -135,9 +135,13 @@ class Router(nn.Module):
         return x_TD * noise
 
     def probabilities(self, logits_TE: torch.Tensor) -> torch.Tensor:
-        """Softmax over experts, or sigmoid scores (normalised per token for the balance loss)."""
-        if self.cfg.router.score_function == "softmax":
+        """Softmax over experts, or per-expert scores, sigmoid or sqrt(softplus) (normalised per
+        token for the balance loss)."""
+        score_function = self.cfg.router.score_function
+        if score_function == "softmax":
             return torch.softmax(logits_TE, dim=-1)
+        if score_function == "sqrtsoftplus":
+            return torch.nn.functional.softplus(logits_TE).sqrt()
         return torch.sigmoid(logits_TE)
 
     def selection_scores(self, scores_TE: torch.Tensor) -> torch.Tensor:

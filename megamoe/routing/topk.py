@@ -1,4 +1,4 @@
-"""Top-k routing with softmax or sigmoid scores, optionally group-limited.
+"""Top-k routing with softmax, sigmoid or sqrtsoftplus scores, optionally group-limited.
 
 Group-limited routing follows DeepSeek-V2 (arXiv 2405.04434) / DeepSeek-V3 (arXiv 2412.19437):
 a token first picks `groups_per_token` groups by the sum of its best `group_score_topk` scores in
@@ -87,8 +87,8 @@ class TopKRouter(Router):
     """Each token picks the k experts with the highest (biased) scores.
 
     Gates are the unbiased scores: softmax over all experts (`pre_softmax`), or renormalised over
-    the chosen experts (softmax after selection, and always for sigmoid with k > 1), times
-    `topk_scaling_factor`.
+    the chosen experts (softmax after selection, and always for sigmoid and sqrtsoftplus with
+    k > 1), times `topk_scaling_factor`.
     """
 
     def select(self, scores_TE, logits_TE, real_T=None):
@@ -103,7 +103,7 @@ class TopKRouter(Router):
         selected_TE.scatter_(1, topk_idx_TK, True)
         gates_TE = scores_TE * selected_TE
         renormalise = (cfg.score_function == "softmax" and not cfg.pre_softmax) or (
-            cfg.score_function == "sigmoid" and topk > 1)
+            cfg.score_function != "softmax" and topk > 1)
         if renormalise:
             gates_TE = gates_TE / gates_TE.sum(-1, keepdim=True).clamp_min(1e-20)
         if cfg.topk_scaling_factor is not None:

@@ -10,6 +10,7 @@ from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, clear
                                                      get_moe_layer_wise_logging_tracker,
                                                      track_moe_metrics)
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megamoe import ConfigError, MoEConfig
 from megamoe.balancing import maxvio, step_balancing
@@ -59,7 +60,25 @@ COMBINATIONS = {
                                   moe_aux_loss_coeff=[1e-2, 1e-3], moe_z_loss_coeff=1e-3),
     "softmax_pre_z": dict(moe_router_pre_softmax=True, moe_router_load_balancing_type="aux_loss",
                           moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-2),
+    # DeepSeek-V4's scores, sqrt(softplus(logit)), with the bias and without (megatron-core 0.19).
+    "sqrtsoftplus_bias_seq_aux": dict(moe_router_score_function="sqrtsoftplus",
+                                      moe_router_enable_expert_bias=True,
+                                      moe_router_load_balancing_type="seq_aux_loss",
+                                      moe_aux_loss_coeff=1e-4, moe_router_topk_scaling_factor=2.5),
+    "sqrtsoftplus_aux": dict(moe_router_score_function="sqrtsoftplus",
+                             moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2),
 }
+# Score functions this megatron-core's TransformerConfig offers (0.16.1: softmax and sigmoid).
+MEGATRON_SCORE_FUNCTIONS = str(
+    TransformerConfig.__dataclass_fields__["moe_router_score_function"].type)
+
+
+def _case(name: str):
+    """`name` as a parameter, skipped where Megatron-Core lacks its score function."""
+    function = COMBINATIONS[name].get("moe_router_score_function", "softmax")
+    return pytest.param(name, marks=pytest.mark.skipif(
+        function not in MEGATRON_SCORE_FUNCTIONS,
+        reason=f"this megatron-core has no {function} scores"))
 
 
 def router_pair(settings, bias=None):
@@ -80,7 +99,7 @@ def router_pair(settings, bias=None):
     return tc, theirs, ours
 
 
-@pytest.mark.parametrize("case", sorted(COMBINATIONS))
+@pytest.mark.parametrize("case", [_case(name) for name in sorted(COMBINATIONS)])
 def test_balancing_matches_megatron_topk_router(megatron, case):
     tc, theirs, ours = router_pair(COMBINATIONS[case])
     x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(2))
@@ -105,10 +124,12 @@ def test_balancing_matches_megatron_topk_router(megatron, case):
     torch.testing.assert_close(ours.router.weight.grad, theirs.weight.grad, rtol=1e-5, atol=1e-8)
 
 
-def test_group_limited_bias_routing_matches_megatron(megatron):
-    """DeepSeek-V3 routing (4 of 8 groups... here 2 of 4, bias, scaling 2.5): the same experts
-    and gates as Megatron's router for a non-zero bias."""
-    settings = dict(COMBINATIONS["bias_seq_aux"], moe_router_num_groups=4, moe_router_group_topk=2)
+@pytest.mark.parametrize("case", [_case("bias_seq_aux"), _case("sqrtsoftplus_bias_seq_aux")])
+def test_group_limited_bias_routing_matches_megatron(megatron, case):
+    """DeepSeek-V3 routing (4 of 8 groups... here 2 of 4, bias, scaling 2.5), with its sigmoid
+    scores and with sqrtsoftplus: the same experts and gates as Megatron's router for a non-zero
+    bias."""
+    settings = dict(COMBINATIONS[case], moe_router_num_groups=4, moe_router_group_topk=2)
     bias = torch.linspace(-0.2, 0.3, E)
     _, theirs, ours = router_pair(settings, bias)
     x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(4))

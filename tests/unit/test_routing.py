@@ -23,8 +23,14 @@ def chosen_sets(selected_TE):
     return [set(torch.nonzero(row).flatten().tolist()) for row in selected_TE]
 
 
+# Each score function written out (sqrtsoftplus: DeepSeek-V4's sqrt(log(1 + e^x))).
+SCORES = {"softmax": lambda logits: logits.softmax(-1),
+          "sigmoid": lambda logits: 1 / (1 + torch.exp(-logits)),
+          "sqrtsoftplus": lambda logits: torch.log1p(torch.exp(logits)).sqrt()}
+
+
 @pytest.mark.parametrize("score_function, pre_softmax", [
-    ("softmax", False), ("softmax", True), ("sigmoid", False)])
+    ("softmax", False), ("softmax", True), ("sigmoid", False), ("sqrtsoftplus", False)])
 @pytest.mark.parametrize("scaling", [None, 2.5])
 def test_topk_matches_naive(score_function, pre_softmax, scaling):
     router = make_router(topk=2, router={"score_function": score_function,
@@ -34,12 +40,12 @@ def test_topk_matches_naive(score_function, pre_softmax, scaling):
     with torch.no_grad():
         routing = router(x)
     logits = x @ router.weight.detach().t()
-    scores = logits.softmax(-1) if score_function == "softmax" else logits.sigmoid()
+    scores = SCORES[score_function](logits)
     expected = naive_topk(scores, 2)
     assert chosen_sets(routing.selected_TE) == [set(c) for c in expected]
     for t, experts in enumerate(expected):
         raw = [float(scores[t, e]) for e in experts]
-        if not pre_softmax:  # softmax after selection, or sigmoid normalised over the chosen
+        if not pre_softmax:  # softmax after selection, or per-expert scores normalised
             raw = [r / sum(raw) for r in raw]
         want = [r * (scaling or 1.0) for r in raw]
         got = [float(routing.gates_TE[t, e]) for e in experts]

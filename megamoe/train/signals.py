@@ -13,10 +13,10 @@ converges) would hold the run until SIGKILL. So a rank that has not reached the 
 `grace_s` seconds after the first stop signal exits at once, with code 128 + the signal and no
 new checkpoint; the last complete one stays (saves are atomic), and so nothing is left
 half-written. The end of a step comes before its checkpoint is written, so that save is never
-cut short; a save already under way when the signal comes counts toward the grace. The grace clock starts when the signal arrives, even while the main thread is
-inside one long native call (Python runs its handlers only between bytecodes): the C-level
-handler writes the signal's number to a wakeup pipe (`signal.set_wakeup_fd`), which a watcher
-thread reads.
+cut short; a save already under way when the signal comes counts toward the grace. The grace
+clock starts when the signal arrives, even while the main thread is inside one long native call
+(Python runs its handlers only between bytecodes): the C-level handler writes the signal's
+number to a wakeup pipe (`signal.set_wakeup_fd`), which a watcher thread reads.
 """
 from __future__ import annotations
 

@@ -220,6 +220,13 @@ def _end_of_document(hf, backend: BackendTokenizer, configs: dict[str, Any],
                     "tokenizer_config.json with its eos_token beside the tokenizer.json")
 
 
+def _rule_patterns(serialized: str) -> list[str]:
+    """The regular expressions a backend's normalizer and pre-tokenizer run, from its
+    serialization (for messages)."""
+    rules = json.loads(serialized)
+    return [*_patterns(rules.get("normalizer")), *_patterns(rules.get("pre_tokenizer"))]
+
+
 def _patterns(section: Any) -> Iterator[str]:
     """The regular expressions (`{"Regex": ...}`) anywhere in a serialized backend section."""
     if isinstance(section, dict):
@@ -257,7 +264,7 @@ def _probe_ids(hf, backend: BackendTokenizer, source: Path) -> tuple[list[int], 
     except BaseException as err:  # noqa: BLE001 - pyo3's PanicException derives from it
         if type(err).__name__ != "PanicException":
             raise
-        patterns = ", ".join(repr(p) for p in _patterns(json.loads(backend.to_str())))
+        patterns = ", ".join(repr(p) for p in _rule_patterns(backend.to_str()))
         raise DataError(f"tokenizer {source}: its regex engine gave up on a short probe text "
                         f"({' '.join(str(err).split())}): a regular expression of its "
                         f"normalizer or pre-tokenizer ({patterns}) backtracks without bound; "
@@ -335,8 +342,7 @@ class HuggingFaceTokenizer(Tokenizer):
             vocab, special, self.eod, self.bos, self.add_bos, self.pad, self.vocab_size, rules)
 
     def regexes(self) -> list[str]:
-        rules = json.loads(self._serialized)
-        return [*_patterns(rules.get("normalizer")), *_patterns(rules.get("pre_tokenizer"))]
+        return _rule_patterns(self._serialized)
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of `text`, without BOS/EOD (transformers' `add_special_tokens=False`)."""

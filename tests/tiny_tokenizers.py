@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 from pathlib import Path
 
 TEXTS = [
@@ -87,3 +88,11 @@ def save_mixtral_like(folder: Path, vocab_size: int = 320) -> Path:
         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": None,
         "legacy": False}))
     return folder
+
+
+def with_config(folder: Path, target: Path, **changes) -> Path:
+    """A copy of the tokenizer `folder` at `target` whose tokenizer_config.json has `changes`."""
+    shutil.copytree(folder, target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**config, **changes}))
+    return target

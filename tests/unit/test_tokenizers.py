@@ -27,7 +27,7 @@ from megamoe.train.tokenizer import (copy_tokenizer, identity, load_tokenizer,
 from megamoe.train.tokenizer import hf as tokenizer_hf
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 from tiny_tokenizers import (DEEPSEEK_BOS, DEEPSEEK_EOS, save_deepseek_like, save_mixtral_like,
-                             save_qwen_like)
+                             save_qwen_like, with_config)
 from tool_modules import tool_module
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -266,14 +266,6 @@ def _edited_tokenizer_json(folder: Path, target: Path, edit) -> Path:
     return target
 
 
-def _edited_config(folder: Path, target: Path, **changes) -> Path:
-    """A copy of the tokenizer folder whose tokenizer_config.json has `changes`."""
-    shutil.copytree(folder, target)
-    config = json.loads((target / "tokenizer_config.json").read_text())
-    (target / "tokenizer_config.json").write_text(json.dumps({**config, **changes}))
-    return target
-
-
 def _bad_tokenizers(root: Path, tokenizers) -> dict:
     (root / "empty").mkdir(parents=True)
     (root / "not-a-tokenizer.json").write_text('{"vocab": {"a": 0}}')
@@ -379,8 +371,8 @@ def test_a_tokenizer_class_transformers_lacks_is_announced(tokenizers, tmp_path,
                                                             monkeypatch):
     """tokenizer_config.json naming a class whose code only the model carries: transformers
     builds its generic class over tokenizer.json, and a note says so, once, on rank 0."""
-    custom = _edited_config(tokenizers["qwen"], tmp_path / "custom",
-                            tokenizer_class="MyOwnTokenizer")
+    custom = with_config(tokenizers["qwen"], tmp_path / "custom",
+                         tokenizer_class="MyOwnTokenizer")
     load_tokenizer(tokenizers["qwen"])
     assert capsys.readouterr().err == ""
     load_tokenizer(custom)

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-from tiny_tokenizers import DEEPSEEK_EOS, TEXTS, save_deepseek_like, save_qwen_like
+from tiny_tokenizers import (DEEPSEEK_EOS, TEXTS, save_deepseek_like, save_qwen_like,
+                             with_config)
 
 from megamoe.errors import CheckpointError, DataError
 from megamoe.train.checkpoint_schema import saved_tokenizer
@@ -109,12 +110,7 @@ def test_a_pad_token_alone_does_not_make_data_incompatible(tokenizers, tmp_path)
     """The same vocabulary, rules, BOS and end of document with another pad token (Megatron
     never feeds pads to the loss): another fingerprint, the same ids, so the data is accepted."""
     folder, qwen = tokenizers["qwen3_moe"]
-    other_pad = tmp_path / "other_pad"
-    shutil.copytree(folder, other_pad)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (other_pad / "tokenizer_config.json").write_text(json.dumps({**config,
-                                                                 "pad_token": "<|im_end|>"}))
-    repadded = load_tokenizer(other_pad)
+    repadded = load_tokenizer(with_config(folder, tmp_path / "other_pad", pad_token="<|im_end|>"))
     assert repadded.pad != qwen.pad and repadded.fingerprint != qwen.fingerprint
     prefix = megatron_dataset(tmp_path / "data", encoded(folder, "<|endoftext|>"))
     write_dataset_identity(prefix, qwen)

@@ -40,27 +40,33 @@ class StopRequest:
         self._signalled = False  # the watcher read a stop signal (its handler may not have run)
         self._previous: dict = {}
         self._wakeup: Optional[int] = None
+        self._read_end: Optional[int] = None
+        self._watcher: Optional[threading.Thread] = None
         self._previous_wakeup = -1
 
     def install(self) -> None:
         """Handle the stop signals in this process until `restore` (main thread only)."""
         self._previous = {signum: signal.signal(signum, self._handle) for signum in STOP_SIGNALS}
         if self.grace_s > 0:
-            read_end, self._wakeup = os.pipe()
+            self._read_end, self._wakeup = os.pipe()
             os.set_blocking(self._wakeup, False)
             self._previous_wakeup = signal.set_wakeup_fd(self._wakeup, warn_on_full_buffer=False)
-            threading.Thread(target=self._watch, args=(read_end,), name="stop-grace",
-                             daemon=True).start()
+            self._watcher = threading.Thread(target=self._watch, name="stop-grace", daemon=True)
+            self._watcher.start()
 
     def restore(self) -> None:
-        """The handlers and wakeup pipe from before `install` (the watcher thread ends)."""
+        """The handlers and wakeup pipe from before `install` (the watcher thread ends). The
+        pipe stays open until then, so a later signal (torchrun forwards what SLURM also sends)
+        always finds a reader end to write its byte to."""
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         if self._wakeup is not None:
             signal.set_wakeup_fd(self._previous_wakeup)
             self._step_ended.set()
-            os.close(self._wakeup)
-            self._wakeup = None
+            os.close(self._wakeup)  # the watcher, if still reading, reads the end of the pipe
+            self._watcher.join(timeout=5.0)
+            os.close(self._read_end)
+            self._wakeup = self._read_end = None
 
     def _handle(self, signum: int, frame) -> None:
         if self.signum is not None and signum == signal.SIGINT:
@@ -70,15 +76,14 @@ class StopRequest:
             print(f"received {signal.Signals(signum).name}: checkpointing after this step",
                   file=sys.stderr, flush=True)
 
-    def _watch(self, read_end: int) -> None:
+    def _watch(self) -> None:
         """Wait for the first stop signal's byte on the wakeup pipe, then for the step's end."""
-        with open(read_end, "rb", buffering=0) as wakeup:
-            stops: list[int] = []
-            while not stops:
-                received = wakeup.read(64)
-                if not received:  # restored: the run is over
-                    return
-                stops = [signum for signum in received if signum in STOP_SIGNALS]
+        stops: list[int] = []
+        while not stops:
+            received = os.read(self._read_end, 64)
+            if not received:  # restored: the run is over
+                return
+            stops = [signum for signum in received if signum in STOP_SIGNALS]
         self._signalled = True
         if self._step_ended.wait(self.grace_s):
             return

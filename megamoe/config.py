@@ -38,9 +38,10 @@ from megamoe.settings import (build, check_choice, check_fields, deep_merge, mod
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 BIAS = "bias"
+QUANTILE = "quantile"
 ADAPTIVE_AUX = "adaptive_aux_loss"
 BALANCE_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss", ADAPTIVE_AUX)
-BALANCING = (BIAS, *BALANCE_LOSSES, "none")
+BALANCING = (BIAS, QUANTILE, *BALANCE_LOSSES, "none")
 DROP_POLICIES = ("probs", "position")
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 GATED_ACTIVATIONS = ("swiglu", "clamped_swiglu")
@@ -54,7 +55,8 @@ class RouterConfig:
     kind: Optional[str] = model_setting(None)
     """The router (`megamoe.routing`): `topk`, `top_p` (dynamic top-p, Huang et al. ACL 2024),
     `threshold` (expert-threshold routing, arXiv 2603.11535), `sinkhorn` (balanced optimal
-    transport) or `base` (BASE layers, arXiv 2103.16716). None: the one this class configures."""
+    transport), `base` (BASE layers, arXiv 2103.16716) or `hash` (a token-id table, Roller et
+    al. arXiv 2106.04426, DeepSeek-V4's first layers). None: the one this class configures."""
 
     score_function: str = model_setting("softmax")
     """Router scores: `softmax`, `sigmoid`, or `sqrtsoftplus`, sqrt(softplus(logit)) (DeepSeek-V4;
@@ -79,6 +81,11 @@ class RouterConfig:
     dtype: str = training_setting("fp32")
     """Precision of the router logits and scores: `fp32` or `fp64`."""
 
+    replay: bool = training_setting(False)
+    """Routing replay (R3, arXiv 2510.11370; Megatron's `moe_enable_routing_replay`): the router
+    records its top-k choices or replays given ones, driven through Megatron-Core's
+    `RouterReplay` (`megamoe.routing.replay`). Top-k router only."""
+
     input_jitter_eps: Optional[float] = training_setting(None)
     """Training only: multiply the router's input by noise uniform in [1-eps, 1+eps] (Switch
     Transformer, arXiv 2101.03961; Megatron's `moe_input_jitter_eps`). None disables it."""
@@ -99,8 +106,29 @@ class RouterConfig:
             raise ConfigError(f"router.input_jitter_eps={self.input_jitter_eps} is outside "
                               "(0, 1); use e.g. 1e-2 or None")
 
+    takes_quantile_balancing: ClassVar[bool] = False
+    """Whether this router selects by quantile balancing's bias (`balancing.methods: quantile`):
+    the top-k router does."""
+
+    takes_replay: ClassVar[bool] = False
+    """Whether this router records and replays its choices (`replay`): the top-k router does."""
+
+    takes_zero_experts: ClassVar[bool] = False
+    """Whether this router chooses among zero-computation experts too: the top-k router does."""
+
     def check_in(self, moe: "MoEConfig") -> None:
         """Checks against the rest of the layer (`MoEConfig.__post_init__` calls it)."""
+        if moe.balancing.uses_quantile and not self.takes_quantile_balancing:
+            raise ConfigError(f"balancing.methods=quantile with router.kind={self.kind!r}: "
+                              "quantile balancing picks each token's top-k experts; use "
+                              "router.kind=topk")
+        if moe.experts.zero_experts and not self.takes_zero_experts:
+            raise ConfigError(f"experts.zero_experts={moe.experts.zero_experts} with router.kind="
+                              f"{self.kind!r}: identity experts are chosen in a top-k; use "
+                              "router.kind=topk")
+        if self.replay and not self.takes_replay:
+            raise ConfigError(f"router.replay=True with router.kind={self.kind!r}: routing "
+                              "replay records and replays a fixed top-k; use router.kind=topk")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -126,8 +154,11 @@ class BalancingConfig:
     the step's micro-batches, arXiv 2501.11873), `seq_aux_loss` (per sequence, DeepSeek-V2,
     arXiv 2405.04434), `adaptive_aux_loss` (the Switch loss with Skywork-MoE's per-layer
     coefficient adapted to the layer's token-drop rate, arXiv 2406.06563; its `aux_loss_coeff`
-    is the starting value), or `none`. DeepSeek-V3's recipe is [bias, seq_aux_loss] with
-    aux_loss_coeff 1e-4. A model setting: `bias` adds a routing buffer to the model."""
+    is the starting value), `quantile` (quantile balancing, Kimi K3, Megatron-Core's
+    `quantile_balancing`: a bias solved from the routing scores' quantiles, no step size; alone,
+    on the top-k router without groups), or `none`. DeepSeek-V3's recipe is [bias, seq_aux_loss]
+    with aux_loss_coeff 1e-4. A model setting: `bias` and `quantile` add a routing buffer to the
+    model."""
 
     aux_loss_coeff: Union[float, list[float]] = training_setting(1e-2)
     """Weight of the load-balancing losses in `methods`: one value for all of them, or a list
@@ -144,6 +175,10 @@ class BalancingConfig:
 
     bias_mean_centering: bool = training_setting(False)
     """Loss-free balancing: subtract the mean of each update so mean(bias) stays 0."""
+
+    quantile_ema: float = training_setting(0.0)
+    """Quantile balancing: the bias becomes ema * bias + (1 - ema) * the step's quantile estimate
+    (Megatron's `moe_router_quantile_balancing_ema`); 0 replaces it every step."""
 
     z_loss_coeff: float = training_setting(0.0)
     """Weight of the router z-loss (ST-MoE, arXiv 2202.08906); 0 disables it."""
@@ -175,6 +210,10 @@ class BalancingConfig:
         if len(set(kinds)) != len(kinds) or ("none" in kinds and len(kinds) > 1) or not kinds:
             raise ConfigError(f"balancing.methods={self.methods!r}: list each method once, and "
                               "'none' only alone")
+        if QUANTILE in kinds and len(kinds) > 1:
+            raise ConfigError(f"balancing.methods={self.methods!r}: quantile balancing sets the "
+                              "load by its bias alone (no aux loss, no loss-free bias, as in "
+                              "Megatron-Core); list 'quantile' alone")
         losses = self.losses
         coeffs = self.aux_loss_coeff
         if isinstance(coeffs, (list, tuple)):
@@ -193,6 +232,9 @@ class BalancingConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"balancing.{name}={getattr(self, name)} is negative; use a "
                                   "value >= 0")
+        if not 0.0 <= self.quantile_ema < 1.0:
+            raise ConfigError(f"balancing.quantile_ema={self.quantile_ema} is outside [0, 1); "
+                              "use 0.0 (Megatron's default) or e.g. 0.9")
         if not 0.0 <= self.adaptive_aux_decay < 1.0:
             raise ConfigError(f"balancing.adaptive_aux_decay={self.adaptive_aux_decay} is "
                               "outside [0, 1); use e.g. 0.99")
@@ -241,6 +283,11 @@ class BalancingConfig:
     def uses_expert_bias(self) -> bool:
         """True when the router keeps a loss-free balancing bias."""
         return BIAS in self.kinds
+
+    @property
+    def uses_quantile(self) -> bool:
+        """True when the router keeps a quantile-balancing bias."""
+        return QUANTILE in self.kinds
 
     @property
     def uses_adaptive_aux(self) -> bool:
@@ -307,7 +354,25 @@ class ExpertsConfig:
 
     bias: bool = model_setting(False)
     """Each expert's fc1 and fc2 have a bias (GPT-OSS's `gate_up_proj_bias`, `down_proj_bias`;
-    Megatron-Core's experts under `add_bias_linear`)."""
+    Megatron-Core's experts under `add_bias_linear`), and so do the latent projections."""
+
+    latent_size: Optional[int] = model_setting(None)
+    """Latent MoE (Nemotron 3; Megatron-Core's `moe_latent_size`): the routed experts compute in
+    this width, below the hidden size. Each token is projected down once (`fc1_latent_proj`),
+    dispatched and computed in latent width, and the combined output projected up
+    (`fc2_latent_proj`); the router and the shared expert see the full width. None: no
+    projections."""
+
+    zero_experts: int = model_setting(0)
+    """Zero-computation experts (LongCat-Flash, arXiv 2509.01322): this many identity experts
+    beside the `num_experts` real ones. The router chooses its top-k among all of them; a token
+    routed to identity experts gets its own hidden state times their summed gates, with no GEMM,
+    no dispatch and no capacity, so the compute per token varies. Top-k router only."""
+
+    real_experts_per_token: Optional[float] = training_setting(None)
+    """With zero experts and `balancing.methods: bias`, the compute budget: the mean number of
+    real experts per token the bias steers towards (LongCat-Flash: 8 of its top-12). None: topk
+    x num_experts / (num_experts + zero_experts), every slot equally loaded."""
 
     def __post_init__(self) -> None:
         check_fields(self, "experts")
@@ -316,6 +381,30 @@ class ExpertsConfig:
         if self.swiglu_limit <= 0:
             raise ConfigError(f"experts.swiglu_limit={self.swiglu_limit} must be > 0; GPT-OSS "
                               "uses 7.0")
+
+    def check_in(self, moe: "MoEConfig") -> None:
+        """A latent width is below the layer's hidden size; zero experts and their budget
+        leave room for real and identity choices, under the balancing that can steer them."""
+        if self.latent_size is not None and not 0 < self.latent_size < moe.hidden_size:
+            raise ConfigError(f"experts.latent_size={self.latent_size} must be in 1.."
+                              f"{moe.hidden_size - 1} (below hidden_size={moe.hidden_size}); "
+                              "use None for experts at full width")
+        if not isinstance(self.zero_experts, int) or self.zero_experts < 0:
+            raise ConfigError(f"experts.zero_experts={self.zero_experts!r} must be a whole "
+                              "number >= 0")
+        if self.real_experts_per_token is not None and not (
+                self.zero_experts and 0 < self.real_experts_per_token <= moe.topk):
+            raise ConfigError(f"experts.real_experts_per_token={self.real_experts_per_token} "
+                              f"needs experts.zero_experts > 0 and a value in (0, topk="
+                              f"{moe.topk}]; leave it unset otherwise")
+        if self.zero_experts and moe.balancing.bias_mean_centering:
+            raise ConfigError(f"experts.zero_experts={self.zero_experts} with balancing."
+                              "bias_mean_centering=True: centring would cancel the compute "
+                              "budget's steering; set bias_mean_centering=false")
+        if self.zero_experts and moe.balancing.uses_quantile:
+            raise ConfigError(f"experts.zero_experts={self.zero_experts} with balancing.methods="
+                              "quantile: quantile balancing would give identity and real "
+                              "experts equal loads; use 'bias' (LongCat's budget control)")
 
     @property
     def gated(self) -> bool:
@@ -389,9 +478,10 @@ class MoEConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
-        if self.topk > self.num_experts:
-            raise ConfigError(f"topk={self.topk} exceeds num_experts={self.num_experts}; set "
-                              "topk <= num_experts")
+        if self.topk > self.num_experts + self.experts.zero_experts:
+            raise ConfigError(f"topk={self.topk} exceeds num_experts={self.num_experts} (plus "
+                              f"{self.experts.zero_experts} zero experts); set topk <= "
+                              "num_experts")
         if not (math.isfinite(self.init_method_std) and self.init_method_std > 0):
             raise ConfigError(f"init_method_std={self.init_method_std} must be > 0; use e.g. "
                               "0.02")
@@ -416,6 +506,26 @@ class MoEConfig:
         """A validated copy with nested `changes` applied (`megamoe.settings.deep_merge`: a
         router of another kind replaces the router section)."""
         return type(self).from_dict(deep_merge(self.to_dict(), changes), where)
+
+    @property
+    def router_width(self) -> int:
+        """The choices a router scores: the real experts, then the zero experts."""
+        return self.num_experts + self.experts.zero_experts
+
+    @property
+    def real_experts_per_token(self) -> float:
+        """The compute budget of zero-expert layers' bias (`experts.real_experts_per_token`,
+        by default the share of real slots); topk without zero experts."""
+        if not self.experts.zero_experts:
+            return float(self.topk)
+        return self.experts.real_experts_per_token or \
+            self.topk * self.num_experts / self.router_width
+
+    @property
+    def expert_width(self) -> int:
+        """The width the routed experts compute in and the dispatcher moves: the latent size,
+        else the hidden size."""
+        return self.experts.latent_size or self.hidden_size
 
     def check_expert_parallel(self, ep_size: int) -> None:
         """Raise ConfigError unless the experts split evenly over `ep_size` ranks."""

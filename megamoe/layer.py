@@ -14,10 +14,28 @@ from megamoe.balancing.losses import (attach_loss, real_tokens, sequence_aux_los
                                      sequence_counts, switch_aux_loss, z_loss)
 from megamoe.config import MoEConfig
 from megamoe.dispatch import DISPATCHERS
+from megamoe.errors import ConfigError
 from megamoe.experts import GroupedExperts, SharedExpert
 from megamoe.parallel.comm import Comm, SingleComm
 from megamoe.parallel.overlap import join_side_stream, start_on_side_stream
 from megamoe.routing import ROUTERS, Router, Routing, apply_capacity
+from megamoe.routing.token_ids import layer_token_ids
+from megamoe.routing.zero_experts import split_zero_experts
+
+
+def latent_projections(cfg: MoEConfig, init_method: Optional[Callable],
+                       output_init_method: Optional[Callable]) -> tuple[nn.Linear, nn.Linear]:
+    """Latent MoE's down and up projections (`experts.latent_size`), replicated like the router,
+    initialised as Megatron-Core's: the input and output init methods, zero biases."""
+    D, L, bias = cfg.hidden_size, cfg.experts.latent_size, cfg.experts.bias
+    down, up = nn.Linear(D, L, bias=bias), nn.Linear(L, D, bias=bias)
+    default_init = lambda w: nn.init.normal_(w, 0.0, cfg.init_method_std)  # noqa: E731
+    (init_method or default_init)(down.weight.data)
+    (output_init_method or default_init)(up.weight.data)
+    for projection in (down, up):
+        if bias:
+            nn.init.zeros_(projection.bias)
+    return down, up
 
 
 class MoELayer(nn.Module):
@@ -48,7 +66,10 @@ class MoELayer(nn.Module):
         self.balance_loss_scale = 1.0
         cfg.check_expert_parallel(self.ep_comm.size)
         self.router = self.make_router(cfg, init_method)
+        if cfg.router.replay:
+            self.router.replay = self.make_replay()
         self.router.group_comm = self.ep_comm
+        self.router.token_comm = self.token_comm
         self.dispatcher = DISPATCHERS[cfg.dispatcher.kind](cfg.num_experts, self.ep_comm)
         # Experts on different expert-parallel ranks must start different: seed their init with
         # a draw from the default (CPU) generator, identical on every rank, plus the rank; on
@@ -60,14 +81,27 @@ class MoELayer(nn.Module):
                                           output_init_method)
         self.shared_experts = (SharedExpert(cfg, init_method, output_init_method)
                                if cfg.shared_expert.ffn_hidden_size else None)
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        if cfg.experts.latent_size is not None:
+            self.fc1_latent_proj, self.fc2_latent_proj = latent_projections(
+                cfg, init_method, output_init_method)
 
     def make_router(self, cfg: MoEConfig, init_method: Optional[Callable]) -> Router:
         """The router of `cfg.router.kind`, from the `ROUTERS` registry."""
         return ROUTERS[cfg.router.kind](cfg, init_method)
 
+    def make_replay(self):
+        """Routing replay's state (`megamoe.routing.replay`): Megatron-Core's RouterReplay,
+        which a host adapter supplies (`MegatronMoELayer`); refused here."""
+        raise ConfigError("moe.router.replay records and replays routing through Megatron-Core's "
+                          "RouterReplay; build the layer as megamoe.megatron.MegatronMoELayer "
+                          "(or through megamoe's spec or trainer)")
+
     def set_layer_number(self, layer_number: int) -> None:
         """Called by Megatron's TransformerLayer with the global 1-based layer number."""
         self.router.layer_number = layer_number
+        if getattr(self.router, "replay", None) is not None:
+            self.router.replay.layer_number = layer_number
 
     def forward(self, hidden_SBD: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         """Returns (output [S, B, D], None) like Megatron's MLPs.
@@ -81,8 +115,13 @@ class MoELayer(nn.Module):
         counted = self.router.counts_this_forward()
         if counted:
             self.start_counting()
+        if self.router.needs_token_ids:
+            self.router.token_ids_T = layer_token_ids(S, B, self.token_comm)
         routing = self.router(x_TD, padding_T)
         losses = self.balance_losses(routing, S, B, counted) if self.training else {}
+        loss_scale = self.loss_scale(routing) if losses else 1.0
+        # Zero-computation experts: the identity part of each token's routing.
+        routing, identity_T1 = split_zero_experts(routing, self.cfg.num_experts)
         dispatcher = self.cfg.dispatcher
         if dispatcher.capacity_factor is not None:
             routing = apply_capacity(routing, dispatcher.capacity_factor, dispatcher.drop_policy)
@@ -96,17 +135,25 @@ class MoELayer(nn.Module):
         shared_TD = (start_on_side_stream(self.shared_experts, x_TD)
                      if self.shared_experts is not None else None)
         y_TD = self.router.mix_output(x_TD, self.routed_experts(x_TD, routing), routing)
+        if identity_T1 is not None:
+            y_TD = y_TD + x_TD * identity_T1.to(x_TD.dtype)
         if shared_TD is not None:
             y_TD = y_TD + join_side_stream(shared_TD)
         if losses:
-            total = sum(self._weighted(losses).values()) * self.loss_scale(routing)
+            total = sum(self._weighted(losses).values()) * loss_scale
             y_TD = self.attach_losses(y_TD, total)
         return y_TD.view(S, B, D), None
 
     def routed_experts(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Dispatch, run the local experts, combine."""
+        """Dispatch, run the local experts, combine; in latent width between the latent
+        projections, when the layer has them."""
+        if self.fc1_latent_proj is not None:
+            x_TD = self.fc1_latent_proj(x_TD)
         rows_ND, tokens_per_expert, state = self.dispatcher.dispatch(x_TD, routing)
-        return self.dispatcher.combine(self.experts(rows_ND, tokens_per_expert), state)
+        y_TD = self.dispatcher.combine(self.experts(rows_ND, tokens_per_expert), state)
+        if self.fc2_latent_proj is not None:
+            y_TD = self.fc2_latent_proj(y_TD)
+        return y_TD
 
     def loss_scale(self, routing: Routing) -> float | torch.Tensor:
         """Factor on the weighted balance losses before they are attached (1 here)."""

@@ -4,12 +4,15 @@ bytes each rank sends and receives against the analytic volume.
     torchrun --nproc-per-node 2 tools/bench_ep_dispatch.py --ep 2        # CPU, gloo
     torchrun --nproc-per-node 8 tools/bench_ep_dispatch.py --ep 8 --dtype bf16 --tokens 8192
     python tools/bench_ep_dispatch.py                                     # EP=1, one process
+    torchrun --nproc-per-node 2 tools/bench_ep_dispatch.py --ep 2 --latent-size 128  # latent MoE
 
 The expert-parallel group is the whole torchrun world (gloo on CPU, NCCL on CUDA). For each
 dispatcher it times the forward phases of a megamoe layer (median over steps, slowest rank) and
 one forward+backward step, counts the bytes every collective moves (to other ranks and in total,
 self-copies included), and compares the dispatch volume with the analytic
-tokens x experts-per-token x hidden x bytes per direction. The time spent inside the collectives
+tokens x experts-per-token x width x bytes per direction, the width being the hidden size, or
+with `--latent-size` the latent width the layer dispatches in (latent MoE: the tokens are
+projected down before the dispatch and up after the combine, outside the timed phases). The time spent inside the collectives
 gives the achieved bandwidth (NCCL bandwidth on a GPU machine). Times are medians over steps
 of the slowest rank. Rank 0 prints a table and appends one JSON line per dispatcher to --out.
 """
@@ -46,6 +49,8 @@ def parse_args(argv):
                         help="tokens per rank per step")
     parser.add_argument("--hidden", type=int_at_least(1), default=512)
     parser.add_argument("--ffn", type=int_at_least(1), default=1024, help="expert FFN size")
+    parser.add_argument("--latent-size", type=int_at_least(1), default=None,
+                        help="latent MoE: the experts' width, below --hidden (default: none)")
     parser.add_argument("--experts", type=int_at_least(1), default=16)
     parser.add_argument("--topk", type=int_at_least(1), default=2)
     parser.add_argument("--dispatchers", default="alltoall,allgather")
@@ -59,6 +64,9 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if not 0 < args.timeout_s < math.inf:
         raise ConfigError(f"--timeout-s {args.timeout_s} must be a positive number of seconds")
+    if args.latent_size is not None and args.latent_size >= args.hidden:
+        raise ConfigError(f"--latent-size {args.latent_size} must be below --hidden "
+                          f"{args.hidden}; leave it out for experts at full width")
     args.dispatchers = args.dispatchers.split(",")
     unknown = [name for name in args.dispatchers if name not in DISPATCHERS]
     if unknown:
@@ -136,7 +144,8 @@ def bench_dispatcher(args, name, comm, device) -> dict:
     counting = CountingComm(comm, sync)
     cfg = MoEConfig.from_dict({"hidden_size": args.hidden, "num_experts": args.experts,
                                "ffn_hidden_size": args.ffn, "topk": args.topk,
-                               "balancing": {"methods": "none"}, "dispatcher": {"kind": name}})
+                               "balancing": {"methods": "none"}, "dispatcher": {"kind": name},
+                               "experts": {"latent_size": args.latent_size}})
     torch.manual_seed(0)
     layer = MoELayer(cfg, ep_comm=counting).to(device=device, dtype=DTYPES[args.dtype])
     gen = torch.Generator().manual_seed(1 + comm.rank)
@@ -153,13 +162,14 @@ def bench_dispatcher(args, name, comm, device) -> dict:
         sync()
         start = time.perf_counter()
         routing = layer.router(x)
+        rows_in = x if layer.fc1_latent_proj is None else layer.fc1_latent_proj(x)
         for phase in PHASES:
             counting.phase = phase
             comm_before = counting.stats[f"{phase}/comm_s"]
             sync()
             t0 = time.perf_counter()
             if phase == "dispatch":
-                rows_ND, tokens_per_expert, state = layer.dispatcher.dispatch(x, routing)
+                rows_ND, tokens_per_expert, state = layer.dispatcher.dispatch(rows_in, routing)
             elif phase == "experts":
                 y_ND = layer.experts(rows_ND, tokens_per_expert)
             else:
@@ -168,6 +178,8 @@ def bench_dispatcher(args, name, comm, device) -> dict:
             if step >= args.warmup:
                 times[phase].append(time.perf_counter() - t0)
                 times[f"{phase}_comm"].append(counting.stats[f"{phase}/comm_s"] - comm_before)
+        if layer.fc2_latent_proj is not None:
+            y_TD = layer.fc2_latent_proj(y_TD)
         counting.phase = "backward"
         y_TD.float().square().mean().backward()
         sync()
@@ -190,8 +202,10 @@ def slowest_rank(comm, result: dict, device: torch.device) -> dict:
 def report(args, name, figures, device) -> dict:
     """Figures of one dispatcher with the analytic volume and achieved bandwidths."""
     element = torch.tensor([], dtype=DTYPES[args.dtype]).element_size()
-    analytic = args.tokens * args.topk * args.hidden * element
+    width = args.latent_size or args.hidden
+    analytic = args.tokens * args.topk * width * element
     row = dict(dispatcher=name, ep=args.ep, tokens_per_rank=args.tokens, hidden=args.hidden,
+               latent_size=args.latent_size,
                ffn=args.ffn, experts=args.experts, topk=args.topk, dtype=args.dtype,
                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                backend=dist.get_backend() if dist.is_initialized() else "none",

@@ -2,7 +2,8 @@
 # The GPU checks, in one call, for a machine with one CUDA GPU (megamoe and megatron-core
 # importable; Transformer Engine or grouped_gemm for the grouped-GEMM peer):
 #   1. the CUDA tests: the expert kernels (the same torch grouped_mm path, bf16 against fp32, that
-#      the CPU tests run), the layer, shared-expert overlap, the Megatron GPT parity tests, and the
+#      the CPU tests run), the layer, shared-expert overlap, latent MoE against Megatron-Core's own
+#      latent MoELayer (Transformer Engine), the Megatron GPT parity tests, and the
 #      logit verifications of the converters (dense vs upcycled, transformers vs megamoe), which
 #      run their models on the GPU where there is one;
 #   2. the layer benchmark, megamoe vs Megatron-Core's grouped-GEMM experts (TEGroupedMLP when
@@ -50,7 +51,7 @@ timeout 300 python3 -m pytest -q -p no:cacheprovider tests/unit/test_experts.py 
     tests/unit/test_gpt_oss_moe.py \
     tests/unit/test_layer.py tests/distributed/test_shared_overlap_cuda.py \
     tests/unit/test_megatron_gpt.py tests/unit/test_upcycle_cli.py \
-    tests/unit/test_interop_hf.py \
+    tests/unit/test_interop_hf.py tests/unit/test_latent_moe.py \
     > "$out/tests.log" 2>&1
 status=$?
 counts=$(grep -E "passed|failed|error" "$out/tests.log" | tail -1)

@@ -5,10 +5,10 @@ A router's counts of one step must be turned into these updates exactly once. Th
 loops do it differently, and the builder of the model knows which one will run it:
 - megamoe's trainer, or a plain PyTorch loop, calls `megamoe.balancing.step_balancing` after
   each step's backward passes (`STEP_BALANCING`);
-- Megatron-LM's loop with `moe_router_enable_expert_bias` updates every expert bias in
-  Megatron-Core's `finalize_model_grads` (its own rate and rule, `megamoe.megatron.router_counts`)
-  and never calls `step_balancing`: the layer applies the rest of the step at the next step's
-  first forward (`FINALIZE_MODEL_GRADS`);
+- Megatron-LM's loop with `moe_router_enable_expert_bias` (or quantile balancing, megatron-core
+  0.19) updates every expert bias in Megatron-Core's `finalize_model_grads` (its own rate and
+  rule, `megamoe.megatron.router_counts`) and never calls `step_balancing`: the layer applies the
+  rest of the step at the next step's first forward (`FINALIZE_MODEL_GRADS`);
 - Megatron-LM's loop without that flag updates nothing: the layer applies the whole step,
   the bias included, at the next step's first forward (`NEXT_FORWARD`).
 """

@@ -18,8 +18,8 @@ torch's CPU kernel is such a loop in C++, and the activation runs once over all 
 once per expert. The loop (`LOOP`) stands in only where torch has no `grouped_mm` or an operand
 breaks its 16-byte stride alignment (an expert width not a multiple of 16 bytes).
 
-Shape legend: L local experts, D hidden, F expert FFN size (F' fc1 rows), N rows (tokens sorted
-by expert), K, M the inner and outer sizes of one GEMM.
+Shape legend: L local experts, D hidden (or latent: `MoEConfig.expert_width`), F expert FFN size
+(F' fc1 rows), N rows (tokens sorted by expert), K, M the inner and outer sizes of one GEMM.
 """
 from __future__ import annotations
 
@@ -166,9 +166,9 @@ class GroupedExperts(nn.Module):
                  output_init_method: Optional[Callable] = None):
         super().__init__()
         fc1_out = cfg.ffn_hidden_size * (2 if cfg.experts.gated else 1)
-        self.fc1_weight = nn.Parameter(torch.empty(num_local_experts, fc1_out, cfg.hidden_size))
-        self.fc2_weight = nn.Parameter(
-            torch.empty(num_local_experts, cfg.hidden_size, cfg.ffn_hidden_size))
+        D = cfg.expert_width
+        self.fc1_weight = nn.Parameter(torch.empty(num_local_experts, fc1_out, D))
+        self.fc2_weight = nn.Parameter(torch.empty(num_local_experts, D, cfg.ffn_hidden_size))
         default_init = lambda w: nn.init.normal_(w, 0.0, cfg.init_method_std)  # noqa: E731
         for expert in range(num_local_experts):
             (init_method or default_init)(self.fc1_weight.data[expert])
@@ -176,7 +176,7 @@ class GroupedExperts(nn.Module):
         self.fc1_bias = self.fc2_bias = None
         if cfg.experts.bias:  # zeros, as Megatron's linear biases start
             self.fc1_bias = nn.Parameter(torch.zeros(num_local_experts * fc1_out))
-            self.fc2_bias = nn.Parameter(torch.zeros(num_local_experts * cfg.hidden_size))
+            self.fc2_bias = nn.Parameter(torch.zeros(num_local_experts * D))
         for param in self.parameters():
             param.allreduce = False  # Megatron DDP: expert grads reduce over expert-DP only
             # Not a copy of another tensor-parallel rank's weights (each expert-data-parallel

@@ -20,9 +20,11 @@ from typing import Any, Callable, Optional
 import torch.nn.functional as F
 from megatron.core.activations import squared_relu
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megamoe.balancing.owner import StepOwner
-from megamoe.config import BALANCE_LOSSES, BIAS, GATED_ACTIVATIONS, BalancingConfig, MoEConfig
+from megamoe.config import (BALANCE_LOSSES, BIAS, GATED_ACTIVATIONS, QUANTILE, BalancingConfig,
+                            MoEConfig)
 from megamoe.errors import ConfigError
 from megamoe.registry import DISPATCHERS
 from megamoe.settings import deep_merge
@@ -45,7 +47,6 @@ _OFF = "turn it off"
 REFUSED: dict[str, str] = {
     "moe_extended_tp": "megamoe experts are not tensor-parallel; turn it off and use expert "
                        "parallelism",
-    "moe_enable_routing_replay": f"megamoe does not record or replay routing; {_OFF}",
     "moe_router_topk_limited_devices": "use group-limited routing instead: "
                                        "--moe-router-num-groups and --moe-router-group-topk",
     "moe_router_padding_for_quantization": f"megamoe does not pad the routing map for FP8; {_OFF}",
@@ -55,7 +56,6 @@ REFUSED: dict[str, str] = {
     "moe_enable_deepep": "megamoe dispatches with 'alltoall' or 'allgather'; turn DeepEP off",
     "moe_pad_expert_input_to_capacity": f"megamoe never pads expert inputs to capacity; {_OFF}",
     "moe_apply_probs_on_input": f"megamoe applies the gates to the expert outputs; {_OFF}",
-    "moe_latent_size": "megamoe has no latent-space experts; leave it unset",
     "moe_expert_rank_capacity_factor": "use --moe-expert-capacity-factor (per expert) instead",
     "moe_mlp_glu_interleave_size": "megamoe stores GLU halves un-interleaved; leave it unset",
     "moe_shared_expert_glu_interleave_size": "megamoe stores GLU halves un-interleaved; leave it "
@@ -63,7 +63,6 @@ REFUSED: dict[str, str] = {
     "moe_pad_experts_for_cuda_graph_inference": f"megamoe does not capture CUDA graphs; {_OFF}",
     "moe_paged_stash": f"megamoe does not stash expert activations; {_OFF}",
     "moe_router_force_biased": f"megamoe has no forced-bias routing; {_OFF}",
-    "moe_router_quantile_balancing_ema": "megamoe has no quantile balancing; leave it unset",
     "moe_single_grouped_bias": f"megamoe always stacks expert biases; {_OFF}",
     "moe_single_grouped_weight": f"megamoe always stacks expert weights; {_OFF}",
 }
@@ -142,10 +141,25 @@ def _same(megatron: str, path: str, host: bool = False, off: Any = None) -> Link
     return Link((megatron,), (path,), to_tree, to_megatron, host)
 
 
+QUANTILE_BALANCING = "quantile_balancing"
+"""Megatron-Core's name for quantile balancing (`balancing.methods: quantile`)."""
+
+
 def _balancing_to_tree(kinds: Any, coeffs: Any, expert_bias: bool) -> dict:
     """balancing.methods and aux_loss_coeff from Megatron's load-balancing type(s),
     coefficient(s) and expert-bias flag. A loss whose coefficient is 0 is off, as in Megatron's
-    router; `moe_router_enable_expert_bias` adds `bias`."""
+    router; `moe_router_enable_expert_bias` adds `bias`. Megatron's router runs
+    `quantile_balancing` only as the one type, without an aux-loss coefficient or the expert
+    bias; anything else with it is refused."""
+    if kinds == QUANTILE_BALANCING or kinds == [QUANTILE_BALANCING]:
+        if any(c != 0 for c in (coeffs if isinstance(coeffs, (list, tuple)) else [coeffs])) \
+                or expert_bias:
+            raise ConfigError(
+                f"moe_router_load_balancing_type={QUANTILE_BALANCING!r} with moe_aux_loss_coeff="
+                f"{coeffs}, moe_router_enable_expert_bias={expert_bias}: quantile balancing sets "
+                "the load by its own bias alone; set --moe-aux-loss-coeff 0 and drop "
+                "--moe-router-enable-expert-bias")
+        return {"balancing.methods": QUANTILE}
     kinds = [kinds] if isinstance(kinds, str) else list(kinds)
     coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)
     if len(coeffs) != len(kinds):
@@ -158,9 +172,12 @@ def _balancing_to_tree(kinds: Any, coeffs: Any, expert_bias: bool) -> dict:
         if kind == "none":
             continue
         if kind not in BALANCE_LOSSES:
+            alone = (" (alone, as Megatron-Core's router runs it)"
+                     if kind == QUANTILE_BALANCING else "")
             raise ConfigError(
                 f"moe_router_load_balancing_type={kind!r} is not supported by megamoe; use "
-                f"{list(BALANCE_LOSSES) + ['none']} and/or --moe-router-enable-expert-bias"
+                f"{list(BALANCE_LOSSES) + ['none']} and/or --moe-router-enable-expert-bias, or "
+                f"{QUANTILE_BALANCING!r}{alone}"
             )
         if coeff > 0:
             methods.append(kind)
@@ -175,12 +192,22 @@ def _balancing_to_tree(kinds: Any, coeffs: Any, expert_bias: bool) -> dict:
 
 
 def _balancing_to_megatron(methods: Any, coeffs: Any) -> dict:
-    """Megatron's load-balancing types (one list, one coefficient each) and expert-bias flag."""
+    """Megatron's load-balancing types (one list, one coefficient each, or quantile balancing's
+    one name) and expert-bias flag."""
     settings = BalancingConfig(methods=methods, aux_loss_coeff=coeffs)
+    if settings.uses_quantile:
+        return {"moe_router_load_balancing_type": QUANTILE_BALANCING, "moe_aux_loss_coeff": 0.0,
+                "moe_router_enable_expert_bias": False}
     weights = settings.loss_coeffs
     return {"moe_router_load_balancing_type": list(weights) or ["none"],
             "moe_aux_loss_coeff": list(weights.values()) or [0.0],
             "moe_router_enable_expert_bias": settings.uses_expert_bias}
+
+
+def _quantile_ema_to_tree(ema: Optional[float]) -> dict:
+    """balancing.quantile_ema (megatron-core 0.16, which has no quantile balancing, lacks the
+    field: None here, the tree's default)."""
+    return {} if ema is None else {"balancing.quantile_ema": ema}
 
 
 def _activation_to_tree(function: Any, gated: bool, offset: float,
@@ -242,15 +269,20 @@ LINKS: tuple[Link, ...] = (
     _same("moe_router_group_topk", "router.groups_per_token"),
     _same("moe_router_dtype", "router.dtype", off="fp32"),
     _same("moe_input_jitter_eps", "router.input_jitter_eps"),
+    _same("moe_enable_routing_replay", "router.replay"),
     Link(("moe_router_load_balancing_type", "moe_aux_loss_coeff",
           "moe_router_enable_expert_bias"), ("balancing.methods", "balancing.aux_loss_coeff"),
          _balancing_to_tree, _balancing_to_megatron, host=True),
     _same("moe_router_bias_update_rate", "balancing.bias_update_rate", host=True),
+    Link(("moe_router_quantile_balancing_ema",), ("balancing.quantile_ema",),
+         _quantile_ema_to_tree, lambda ema: {"moe_router_quantile_balancing_ema": ema},
+         host=True),
     _same("moe_z_loss_coeff", "balancing.z_loss_coeff", off=0.0),
     _same("moe_token_dispatcher_type", "dispatcher.kind"),
     _same("moe_expert_capacity_factor", "dispatcher.capacity_factor"),
     _same("moe_token_drop_policy", "dispatcher.drop_policy"),
     _same("moe_shared_expert_intermediate_size", "shared_expert.ffn_hidden_size", host=True),
+    _same("moe_latent_size", "experts.latent_size"),
     _same("moe_shared_expert_gate", "shared_expert.gate"),
     Link(("activation_func", "gated_linear_unit", "glu_linear_offset",
           "activation_func_clamp_value"), ("experts.activation", "experts.swiglu_limit"),
@@ -296,7 +328,8 @@ def moe_config_from_transformer_config(tc: Any, overrides: Optional[dict] = None
     check_megatron_fields(tc)
     tree: dict[str, Any] = {"hidden_size": tc.hidden_size, "init_method_std": tc.init_method_std}
     for link in LINKS:
-        for path, value in link.to_tree(*(getattr(tc, name) for name in link.megatron)).items():
+        values = (getattr(tc, name, None) for name in link.megatron)
+        for path, value in link.to_tree(*values).items():
             *sections, name = path.split(".")
             part = tree
             for section_name in sections:
@@ -310,10 +343,14 @@ def transformer_config_settings(moe: MoEConfig, owner: StepOwner,
                                 links: tuple[Link, ...] = LINKS) -> dict[str, Any]:
     """TransformerConfig fields saying `moe`'s settings of `links` (`HOST_LINKS`: those
     Megatron-Core acts on around megamoe's layers). `moe_router_enable_expert_bias` is on only
-    when Megatron's finalize_model_grads is the one to update the expert biases (`owner`)."""
+    when Megatron's finalize_model_grads is the one to update the expert biases (`owner`). A
+    field this megatron-core's TransformerConfig lacks is left out (quantile balancing's EMA on
+    0.16, where megamoe alone runs it)."""
     settings: dict[str, Any] = {}
     for link in links:
         settings.update(link.to_megatron(*(_at(moe, path) for path in link.tree)))
+    known = {field.name for field in dataclasses.fields(TransformerConfig)}
+    settings = {name: value for name, value in settings.items() if name in known}
     if "moe_router_enable_expert_bias" in settings:
         settings["moe_router_enable_expert_bias"] &= owner is StepOwner.FINALIZE_MODEL_GRADS
     return settings

@@ -32,7 +32,8 @@ from megamoe.config import MoEConfig
 from megamoe.errors import ConfigError
 from megamoe.layer import MoELayer
 from megamoe.megatron.compat import global_layer_number
-from megamoe.megatron.fields import check_megatron_fields, moe_config_from_transformer_config
+from megamoe.megatron.fields import (QUANTILE_BALANCING, check_megatron_fields,
+                                    moe_config_from_transformer_config)
 from megamoe.megatron.router_counts import megatron_router
 from megamoe.megatron.sharded_state import drop_extra_state_placeholders, moe_sharded_state_dict
 from megamoe.megatron.tracker import CLOCK, report_load_metrics, save_layer_statistics
@@ -72,6 +73,7 @@ class MegatronMoELayer(MoELayer):
         _check_supported_parallelism(config, pgs)
         owner = step_owner or megatron_lm_owner(config)
         _check_bias_owner(config, cfg, owner)
+        _check_token_ids_survive_recompute(config, cfg)
         tp = pgs.tp.size() if pgs.tp is not None else 1
         self._bias_width = bias_width
         self._step_owner = owner
@@ -89,12 +91,14 @@ class MegatronMoELayer(MoELayer):
             self.set_layer_number(layer_number)
         self.register_load_state_dict_pre_hook(drop_extra_state_placeholders)
         if config.sequence_parallel:
-            # Each tensor-parallel rank routes its own tokens through replicated router and
-            # shared-expert weights: Megatron's finalize_model_grads sums the gradients of
-            # parameters marked this way over the tensor-parallel group.
-            shared = self.shared_experts.parameters() if self.shared_experts is not None else ()
-            for param in (*self.router.parameters(), *shared):
-                param.sequence_parallel = True
+            # Each tensor-parallel rank routes its own tokens through replicated router,
+            # shared-expert and latent-projection weights: Megatron's finalize_model_grads sums
+            # the gradients of parameters marked this way over the tensor-parallel group.
+            replicated = (self.router, self.shared_experts, self.fc1_latent_proj,
+                          self.fc2_latent_proj)
+            for module in replicated:
+                for param in module.parameters() if module is not None else ():
+                    param.sequence_parallel = True
 
     def set_layer_number(self, layer_number: int) -> None:
         """Megatron's layer number made global: a multi-token-prediction depth's layer comes
@@ -119,6 +123,11 @@ class MegatronMoELayer(MoELayer):
         contract when that is finalize_model_grads (`megamoe.megatron.router_counts`)."""
         return megatron_router(ROUTERS[cfg.router.kind])(cfg, init_method, self._bias_width,
                                                          self._step_owner)
+
+    def make_replay(self):
+        """Megatron-Core's own RouterReplay (registered in its global list as the layer is
+        built, so in layer order), with the `layer_number` megatron-core 0.19 gives it."""
+        return megatron_router_replay()
 
     def attach_losses(self, y_TD, total):
         """Megatron-Core's MoEAuxLossAutoScaler, whose scale Megatron's pipeline schedules set
@@ -184,13 +193,30 @@ class MegatronMoELayer(MoELayer):
         return moe_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
 
+def megatron_router_replay():
+    """A new Megatron-Core RouterReplay (`megamoe.routing.replay` drives a router with it)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    replay = RouterReplay()
+    replay.layer_number = None
+    return replay
+
+
 def megatron_lm_owner(config: Any) -> StepOwner:
     """Who ends a step under Megatron-LM's training loop: its finalize_model_grads updates the
-    expert biases when `moe_router_enable_expert_bias` is on, and the layer's next forward does
-    the rest; without that flag the layer's next forward does it all."""
-    if config.moe_router_enable_expert_bias:
+    expert biases when `moe_router_enable_expert_bias` is on, and quantile balancing's when the
+    load-balancing type is `quantile_balancing` (megatron-core 0.19); the layer's next forward
+    does the rest. Otherwise the layer's next forward does it all."""
+    if config.moe_router_enable_expert_bias or megatron_runs_quantile_balancing(config):
         return StepOwner.FINALIZE_MODEL_GRADS
     return StepOwner.NEXT_FORWARD
+
+
+def megatron_runs_quantile_balancing(config: Any) -> bool:
+    """Megatron-Core's finalize_model_grads updates quantile balancing's biases: its type is
+    `quantile_balancing` and this megatron-core has it (0.19 has its EMA field; 0.16 does not)."""
+    return (config.moe_router_load_balancing_type == QUANTILE_BALANCING
+            and hasattr(config, "moe_router_quantile_balancing_ema"))
 
 
 def _check_bias_owner(config: Any, cfg: MoEConfig, owner: StepOwner) -> None:
@@ -198,6 +224,8 @@ def _check_bias_owner(config: Any, cfg: MoEConfig, owner: StepOwner) -> None:
     router when `moe_router_enable_expert_bias` is on, with its own rate and rule; refuse a
     layer whose settings it would silently replace, or whose owner is someone else."""
     balancing = cfg.balancing
+    if balancing.uses_quantile:
+        _check_quantile_owner(config, balancing, owner)
     if not balancing.uses_expert_bias:
         return
     by_megatron = owner is StepOwner.FINALIZE_MODEL_GRADS
@@ -208,6 +236,12 @@ def _check_bias_owner(config: Any, cfg: MoEConfig, owner: StepOwner) -> None:
             "finalize_model_grads is the one to update them")
     if not by_megatron:
         return
+    if cfg.experts.zero_experts:
+        raise ConfigError(
+            f"experts.zero_experts={cfg.experts.zero_experts} with moe_router_enable_expert_bias: "
+            "Megatron's finalize_model_grads would balance identity and real experts alike "
+            "instead of steering the compute budget; train with megamoe's trainer (or call "
+            "megamoe.balancing.step_balancing) and leave the flag off")
     if balancing.bias_update_schedule:
         raise ConfigError(
             f"balancing.bias_update_schedule={balancing.bias_update_schedule}: Megatron's "
@@ -222,6 +256,37 @@ def _check_bias_owner(config: Any, cfg: MoEConfig, owner: StepOwner) -> None:
             f"moe_router_bias_update_rate={config.moe_router_bias_update_rate} without centering; "
             "set the layer to match"
         )
+
+
+def _check_quantile_owner(config: Any, balancing: Any, owner: StepOwner) -> None:
+    """A quantile-balanced layer whose bias finalize_model_grads updates needs Megatron to run
+    quantile balancing, with the layer's EMA."""
+    if owner is not StepOwner.FINALIZE_MODEL_GRADS:
+        return
+    if not megatron_runs_quantile_balancing(config):
+        raise ConfigError(
+            f"balancing.methods=quantile in a layer whose biases Megatron's finalize_model_grads "
+            f"updates, with moe_router_load_balancing_type="
+            f"{config.moe_router_load_balancing_type!r}: it updates quantile biases only under "
+            f"{QUANTILE_BALANCING!r} (megatron-core 0.19); set that type for the model")
+    if balancing.quantile_ema != config.moe_router_quantile_balancing_ema:
+        raise ConfigError(
+            f"balancing.quantile_ema={balancing.quantile_ema}: Megatron's finalize_model_grads "
+            "blends quantile biases with moe_router_quantile_balancing_ema="
+            f"{config.moe_router_quantile_balancing_ema}; set the layer to match")
+
+
+def _check_token_ids_survive_recompute(config: Any, cfg: MoEConfig) -> None:
+    """A hash layer reads its forward's token ids (`megamoe.routing.token_ids`), which are gone
+    when the backward recomputes it."""
+    modules = set(getattr(config, "recompute_modules", None) or ())
+    recomputed = config.recompute_granularity == "full" or (
+        config.recompute_granularity == "selective" and modules & {"mlp", "moe"})
+    if cfg.router.kind == "hash" and recomputed:
+        raise ConfigError(
+            f"router.kind=hash with recompute_granularity={config.recompute_granularity!r}: a "
+            "recomputed MoE layer runs after its forward's token ids are gone; recompute other "
+            "modules (not mlp or moe) or none")
 
 
 def _check_supported_parallelism(config: Any, pgs: Any) -> None:

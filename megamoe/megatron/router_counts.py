@@ -13,6 +13,11 @@ decided by the layer's builder) and, when that owner is `FINALIZE_MODEL_GRADS`, 
   counts), because Megatron stacks them: the counts then hold E * c_i for the real experts and
   sum(c) in the padding, so Megatron's rule computes exactly u * sign(mean(c) - c_i) for the real
   experts and leaves the padding at 0. The state dict holds the real [E] bias only.
+Quantile balancing (`moe_router_load_balancing_type` `quantile_balancing`, megatron-core 0.19) is
+updated there too (`_update_router_qb_beta`): Megatron finds routers by a `qb_beta_accum` that
+is not None, averages `qb_beta_accum / qb_beta_count` over the data-parallel group into
+`qb_beta` and zeroes the two. A router whose quantile bias belongs to finalize_model_grads
+shows its estimates under those names (and only then: Megatron zeroes any it finds).
 `step_balancing` then leaves the bias to Megatron (`StepOwner.bias_by_step_balancing`).
 """
 from __future__ import annotations
@@ -34,6 +39,12 @@ class MegatronRouterCounts:
                  step_owner: StepOwner = StepOwner.STEP_BALANCING):
         super().__init__(cfg, init_method)
         self.step_owner = step_owner
+        if (self.quantile_beta_E is not None and step_owner is StepOwner.FINALIZE_MODEL_GRADS
+                and bias_width not in (None, cfg.num_experts)):
+            raise ConfigError(
+                f"num_experts={cfg.num_experts} in a model whose widest MoE layer has {bias_width}"
+                ": Megatron's finalize_model_grads updates quantile balancing's biases stacked, "
+                "so every quantile-balanced layer needs the same number of experts")
         if self.bias_E is None or step_owner is not StepOwner.FINALIZE_MODEL_GRADS:
             return
         E = cfg.num_experts
@@ -45,10 +56,26 @@ class MegatronRouterCounts:
                              persistent=False)
 
     @property
+    def qb_beta_accum(self) -> Optional[torch.Tensor]:
+        """The step's summed quantile estimates, when finalize_model_grads updates the bias."""
+        return self.quantile_sum if self._quantile_by_megatron else None
+
+    @property
+    def qb_beta_count(self) -> Optional[torch.Tensor]:
+        """The number of estimates in `qb_beta_accum`, when finalize_model_grads updates the
+        bias."""
+        return self.quantile_batches if self._quantile_by_megatron else None
+
+    @property
+    def _quantile_by_megatron(self) -> bool:
+        return (self.quantile_beta_E is not None
+                and self.step_owner is StepOwner.FINALIZE_MODEL_GRADS)
+
+    @property
     def bias_E(self) -> Optional[torch.Tensor]:
-        """The real experts' bias [E] (a view of the padded buffer)."""
+        """The router's bias [E] (a view of the padded buffer)."""
         bias = getattr(self, "expert_bias", None)
-        return None if bias is None else bias[:self.cfg.num_experts]
+        return None if bias is None else bias[:self.cfg.router_width]
 
     def record(self, routing: Routing, losses: dict[str, torch.Tensor]) -> None:
         if self.counts_this_forward() and "local_tokens_per_expert" in self._buffers:
@@ -79,7 +106,7 @@ class MegatronRouterCounts:
     @property
     def _padded(self) -> bool:
         bias = getattr(self, "expert_bias", None)
-        return bias is not None and bias.numel() > self.cfg.num_experts
+        return bias is not None and bias.numel() > self.cfg.router_width
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -90,7 +117,7 @@ class MegatronRouterCounts:
         key = prefix + "expert_bias"
         if self._padded and key in state_dict:
             padded = torch.zeros_like(self.expert_bias)
-            padded[:self.cfg.num_experts] = state_dict[key]
+            padded[:self.cfg.router_width] = state_dict[key]
             state_dict[key] = padded
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 

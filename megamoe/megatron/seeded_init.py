@@ -44,8 +44,9 @@ BLOCK_ELEMENTS = 1 << 20
 """Elements of one generator block (4 MiB in fp32): the unit of the random stream."""
 
 CONSTANT_SUFFIXES = ("layernorm.weight", "layer_norm_weight", "norm.weight", ".bias", "_bias")
-OUTPUT_SUFFIXES = ("linear_proj.weight", "linear_fc2.weight")
+OUTPUT_SUFFIXES = ("linear_proj.weight", "linear_fc2.weight", "fc2_latent_proj.weight")
 INPUT_SUFFIXES = ("linear_qkv.weight", "linear_fc1.weight", "router.weight", "gate_weight",
+                  "fc1_latent_proj.weight",
                   "output_layer.weight", "eh_proj.weight", "linear_q_proj.weight",
                   "linear_q_down_proj.weight", "linear_q_up_proj.weight",
                   "linear_kv_down_proj.weight", "linear_kv_up_proj.weight",

@@ -10,6 +10,8 @@ Sharded keys under the layer prefix P (Megatron then folds the layer index into 
   expert biases, `P experts.experts.linear_fc1.bias` [E, F'] and `linear_fc2.bias` [E, D] the
   same way (GLU fc1 bias in halves too, as Megatron's MLP saves it).
 - `P shared_experts.linear_fc1.weight`, `linear_fc2.weight`, `gate_weight`: replicated.
+- Latent MoE: `P fc1_latent_proj.weight` [latent, D] and `P fc2_latent_proj.weight` [D, latent]
+  (and biases), replicated, as Megatron's duplicated TELinear saves them.
 - `... linear_fc{1,2}._extra_state`: the empty objects Megatron's linear layers save, so Megatron
   finds every key it asks for; megamoe drops them on load (`drop_extra_state_placeholders`).
 GLU fc1 weights (F' = 2F) are saved as their gate and up halves, two shards of the output axis, as
@@ -49,6 +51,10 @@ def moe_sharded_state_dict(layer: Any, prefix: str, sharded_offsets: tuple,
     if layer.shared_experts is not None:
         sharded.update(_shared_expert(layer, f"{prefix}shared_experts.", sharded_offsets,
                                       singleton, groups))
+    if layer.fc1_latent_proj is not None:
+        for name in ("fc1_latent_proj", "fc2_latent_proj"):
+            sharded.update(_replicated_linear(getattr(layer, name), f"{prefix}{name}.",
+                                              sharded_offsets, groups))
     return sharded
 
 
@@ -139,6 +145,18 @@ def _experts_merger(shape: torch.Size):
         return torch.stack([torch.cat(parts) for parts in loaded]).reshape(shape)
 
     return merge
+
+
+def _replicated_linear(linear: torch.nn.Module, prefix: str, sharded_offsets: tuple,
+                       groups: dict) -> dict:
+    """A linear layer every rank holds whole, with Megatron's `_extra_state` placeholder."""
+    sharded = {f"{prefix}{name}": make_sharded_tensor_for_checkpoint(
+        value, f"{prefix}{name}", prepend_offsets=sharded_offsets, **groups)
+        for name, value in linear.state_dict(keep_vars=True).items()}
+    replica_id = (0, get_pg_rank(groups["tp_group"]), get_pg_rank(groups["dp_cp_group"]))
+    key = f"{prefix}{EXTRA_STATE}"
+    sharded[key] = make_sharded_object_for_checkpoint(None, key, sharded_offsets, replica_id)
+    return sharded
 
 
 def _shared_expert(layer: Any, prefix: str, sharded_offsets: tuple, singleton: bool,

@@ -72,8 +72,9 @@ def routed_rows(cfg: MoEConfig, tokens: int, ep: int, maxvio: float) -> tuple[fl
     most (1 + V) * m assignments of a rank's tokens, m = T k / E, and at most T (a token picks an
     expert once); the busiest rank's L local experts take at most L (1 + V) m, and at most
     T min(L, k) (a token sends at most min(L, k) of its k rows to one rank), from each of the ep
-    ranks. With `dispatcher.capacity_factor` an expert keeps at most ceil(c T k / E) per rank."""
-    E, k = cfg.num_experts, cfg.topk
+    ranks. With `dispatcher.capacity_factor` an expert keeps at most ceil(c T k / E) per rank.
+    With zero-computation experts k is the real experts per token (their compute budget)."""
+    E, k = cfg.num_experts, cfg.real_experts_per_token
     local = E // ep
     mean = tokens * k / E
     hot = min(local * (1 + maxvio) * mean, tokens * min(local, k))
@@ -193,8 +194,9 @@ def _moe(cfg: MoEConfig, x: Shapes, maxvio: float) -> list[Term]:
     sent, the sort indices (two int64), the expert output sent back, its gated product and the
     gate; per row received, the expert MLP's input, pre-activation (F') and activation (F), and
     with expert parallelism the int64 index that orders received rows by expert and the expert
-    output in arrival order."""
-    T, e, D, E = x.tokens, x.e, x.h, cfg.num_experts
+    output in arrival order. Latent MoE (`experts.latent_size`) routes rows of the latent
+    width, and keeps the projected-down tokens and the combined latent output."""
+    T, e, D, E = x.tokens, x.e, cfg.expert_width, cfg.num_experts
     gated = cfg.experts.gated
     terms = []
     if cfg.shared_expert.ffn_hidden_size:
@@ -203,10 +205,13 @@ def _moe(cfg: MoEConfig, x: Shapes, maxvio: float) -> list[Term]:
                           module="moe"))
         if cfg.shared_expert.gate:
             terms.append(Term("shared expert gate", 2 * T * e, module="moe"))
-    terms.append(Term("router scores and selection", T * E * (2 * FP32 + 1) + 2 * T * FP32,
-                      MOE, "moe"))
+    terms.append(Term("router scores and selection",
+                      T * cfg.router_width * (2 * FP32 + 1) + 2 * T * FP32, MOE, "moe"))
     if cfg.balancing.loss_coeffs or cfg.balancing.z_loss_coeff > 0:
         terms.append(Term("balance-loss terms", T * E * FP32 + 3 * T * FP32 + 2 * T, MOE, "moe"))
+    if cfg.experts.latent_size is not None:
+        terms.append(Term("latent projections: projected tokens, combined latent output",
+                          2 * T * D * e, MOE, "moe"))
     sent, received = routed_rows(cfg, T, x.ep, maxvio)
     F = cfg.ffn_hidden_size
     terms.append(Term("sent rows: indices, returned output, gated output, gate",

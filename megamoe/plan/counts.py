@@ -87,12 +87,14 @@ def _elements(module: Optional[torch.nn.Module]) -> int:
 
 def _inactive(module: Optional[torch.nn.Module]) -> float:
     """Routed-expert elements of `module`'s MoE layers a token does not use (for routers
-    without a fixed k, such as top-p or threshold routing, `moe.topk` stands for k)."""
+    without a fixed k, such as top-p or threshold routing, `moe.topk` stands for k; with
+    zero-computation experts, the real experts per token of their budget)."""
     from megamoe.layer import MoELayer
 
     if module is None:
         return 0.0
-    return sum(_elements(layer.experts) * (1 - layer.cfg.topk / layer.cfg.num_experts)
+    return sum(_elements(layer.experts)
+               * (1 - layer.cfg.real_experts_per_token / layer.cfg.num_experts)
                for layer in module.modules() if isinstance(layer, MoELayer))
 
 

@@ -10,8 +10,10 @@ from megamoe.routing.top_p import TopPRouter, TopPRouterConfig
 from megamoe.routing.threshold import ThresholdRouter, ThresholdRouterConfig
 from megamoe.routing.sinkhorn import SinkhornRouter, SinkhornRouterConfig
 from megamoe.routing.base_layers import BaseLayersRouter, BaseRouterConfig
+from megamoe.routing.hash import HashRouter, HashRouterConfig
 
-__all__ = ["ROUTERS", "BaseLayersRouter", "BaseRouterConfig", "Router", "Routing",
+__all__ = ["ROUTERS", "BaseLayersRouter", "BaseRouterConfig", "HashRouter", "HashRouterConfig",
+           "Router", "Routing",
            "SinkhornRouter", "SinkhornRouterConfig", "ThresholdRouter", "ThresholdRouterConfig",
            "TopKRouter", "TopKRouterConfig", "TopPRouter", "TopPRouterConfig", "apply_capacity",
            "expert_capacity"]

@@ -86,26 +86,45 @@ class Router(nn.Module):
     def __init__(self, cfg: MoEConfig, init_method=None):
         super().__init__()
         self.cfg = cfg
-        E = cfg.num_experts
+        E = cfg.router_width  # the real experts, then the zero-computation ones
         self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size))
         (init_method or _normal_init(cfg.init_method_std))(self.weight)
         # router.bias (GPT-OSS): zeros, as Megatron's linear biases start.
         self.bias = nn.Parameter(torch.zeros(E)) if cfg.router.bias else None
         if cfg.balancing.uses_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
+        if cfg.balancing.uses_quantile:  # megamoe.balancing.quantile
+            self.register_buffer("qb_beta", torch.zeros(E, dtype=torch.float32))
+            self.register_buffer("quantile_sum", torch.zeros(E, dtype=torch.float32),
+                                 persistent=False)
+            self.register_buffer("quantile_batches", torch.zeros((), dtype=torch.long),
+                                 persistent=False)
         if cfg.balancing.uses_adaptive_aux:  # Skywork-MoE's coefficient, balancing.adaptive
             self.register_buffer("adaptive_aux_coeff", torch.tensor(
                 [cfg.balancing.loss_coeffs.get("adaptive_aux_loss", 0.0)], dtype=torch.float32))
-        self.load = LoadTracker(E)
+        self.load = LoadTracker(cfg.num_experts)  # the real experts' loads
         # Set inside `megamoe.balancing.inference.tallying_inference_routing` only.
         self.inference_tally: Optional[InferenceTally] = None
         self.layer_number: Optional[int] = None
         self.group_comm: Comm = SingleComm()
+        self.token_comm: Comm = SingleComm()
+        # Routing replay's state (`router.replay`), set by the layer (`MoELayer.make_replay`).
+        self.replay = None
 
     @property
     def bias_E(self) -> Optional[torch.Tensor]:
         """The experts' bias [E], or None without loss-free balancing."""
         return getattr(self, "expert_bias", None)
+
+    @property
+    def quantile_beta_E(self) -> Optional[torch.Tensor]:
+        """Quantile balancing's bias [E] (subtracted from the logits), or None without it."""
+        return getattr(self, "qb_beta", None)
+
+    def add_quantile_estimate(self, estimate_E: torch.Tensor) -> None:
+        """Count one micro-batch's quantile estimate towards the step's bias update."""
+        self.quantile_sum += estimate_E
+        self.quantile_batches += 1
 
     def forward(self, x_TD: torch.Tensor, padding_mask_T: Optional[torch.Tensor] = None) -> Routing:
         """Route tokens; padded tokens (padding_mask_T True) go to no expert and are not counted."""
@@ -170,6 +189,7 @@ class Router(nn.Module):
         return y_TD
 
     has_step_state = False  # True for routers implementing step_sums / end_step
+    needs_token_ids = False  # True for routers choosing by token id (`token_ids_T`, hash)
 
     def step_sums(self) -> Optional[torch.Tensor]:
         """Per-step routing state to sum over the replica group (fixed size), or None."""
@@ -191,18 +211,28 @@ class Router(nn.Module):
         self.load.record(routing.selected_TE, routing.routing_map_TE, routing.probs_TE,
                          routing.tokens_T, losses)
 
+    @torch.no_grad()
     def discard_step(self) -> None:
         """Forget this step's counts (a step abandoned before its update, e.g. rolled back)."""
         self.load.reset()
+        self.reset_quantile_estimates()
+
+    @torch.no_grad()
+    def reset_quantile_estimates(self) -> None:
+        """Forget the step's quantile estimates (after its update)."""
+        if self.quantile_beta_E is not None:
+            self.quantile_sum.zero_()
+            self.quantile_batches.zero_()
 
     def step_pending(self) -> bool:
         """Counts of a finished step still wait for `megamoe.balancing.step_balancing`: this
         router has its own per-step state (expert thresholds), Skywork's adaptive coefficient,
-        or an expert bias its step owner leaves to `step_balancing`."""
+        or an expert or quantile bias its step owner leaves to `step_balancing`."""
         if self.load.empty:
             return False
+        biased = self.bias_E is not None or self.quantile_beta_E is not None
         return (self.has_step_state or getattr(self, "adaptive_aux_coeff", None) is not None
-                or (self.bias_E is not None and self.step_owner.bias_by_step_balancing))
+                or (biased and self.step_owner.bias_by_step_balancing))
 
     def _apply(self, fn, recurse=True):
         """Move the fp32 buffers with the module but keep them in fp32 (a bf16 cast would erase
@@ -221,7 +251,7 @@ class Router(nn.Module):
                 self._buffers[name] = buffer.to(device=device, dtype=torch.float32)
         return self
 
-    fp32_buffers = ("expert_bias", "adaptive_aux_coeff")
+    fp32_buffers = ("expert_bias", "adaptive_aux_coeff", "qb_beta", "quantile_sum")
     """Buffers kept in fp32 whatever the module is cast to (subclasses add theirs)."""
 
 

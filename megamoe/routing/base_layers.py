@@ -104,6 +104,7 @@ class BaseRouterConfig(RouterConfig):
         self.require_score_function("sigmoid", "its gates are sigmoid(logit)")
 
     def check_in(self, moe) -> None:
+        super().check_in(moe)
         if moe.topk != 1:
             raise ConfigError(f"topk={moe.topk} with router.kind='base': BASE layers send each "
                               "token to one expert; set topk=1")

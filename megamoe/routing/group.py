@@ -1,6 +1,7 @@
 """The router logits of a whole expert-parallel group, for routers that solve one assignment
 over all of the group's tokens (Sinkhorn, BASE): every rank gathers the same matrix, solves the
-same problem and keeps its own rows, so routing is identical at EP=1 and EP=N.
+same problem and keeps its own rows, so routing is identical at EP=1 and EP=N. Quantile
+balancing gathers over the tensor-parallel group the same way, for its quantiles.
 
 Shape legend: T this rank's tokens, N the group's real tokens, E experts.
 """

@@ -72,6 +72,7 @@ class SinkhornRouterConfig(RouterConfig):
                               f"{self.max_iterations}: use >= 0 and >= 1")
 
     def check_in(self, moe) -> None:
+        super().check_in(moe)
         refuse_expert_bias(self, moe)
 
 

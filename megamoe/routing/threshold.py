@@ -68,6 +68,7 @@ class ThresholdRouterConfig(RouterConfig):
             raise ConfigError(f"router.warmup_steps={self.warmup_steps} must be >= 0")
 
     def check_in(self, moe) -> None:
+        super().check_in(moe)
         refuse_expert_bias(self, moe)
 
 

@@ -12,10 +12,13 @@ from typing import Optional
 
 import torch
 
+from megamoe.balancing.quantile import expert_quantile, quantile_routing
 from megamoe.config import RouterConfig
 from megamoe.errors import ConfigError
 from megamoe.registry import ROUTERS
-from megamoe.routing.base import Router
+from megamoe.routing.base import Router, in_recomputation
+from megamoe.routing.group import gather_group_logits
+from megamoe.routing.replay import replayed_topk
 from megamoe.settings import model_setting
 
 
@@ -35,8 +38,24 @@ class TopKRouterConfig(RouterConfig):
     scores (DeepSeek-V3: 2, whatever its top-k). None takes Megatron-Core's rule, topk /
     groups_per_token, which needs topk to be a multiple of groups_per_token."""
 
+    takes_quantile_balancing = True
+    takes_replay = True
+    takes_zero_experts = True
+
     def check_in(self, moe) -> None:
-        """The groups split the layer's experts and hold at least top-k of them."""
+        """The groups split the layer's experts and hold at least top-k of them; quantile
+        balancing routes without groups and leaves an expert out of each token's top-k."""
+        if moe.balancing.uses_quantile and (self.num_groups is not None
+                                            or moe.topk >= moe.num_experts):
+            raise ConfigError(
+                f"balancing.methods=quantile with router.num_groups={self.num_groups}, topk="
+                f"{moe.topk} of {moe.num_experts} experts: quantile balancing takes no group-"
+                "limited routing (Megatron-Core's rule) and needs topk < num_experts; unset "
+                "router.num_groups / router.groups_per_token or lower topk")
+        if self.num_groups is not None and moe.experts.zero_experts:
+            raise ConfigError(f"router.num_groups={self.num_groups} with experts.zero_experts="
+                              f"{moe.experts.zero_experts}: group-limited routing splits real "
+                              "experts only; unset router.num_groups / router.groups_per_token")
         if (self.num_groups is None) != (self.groups_per_token is None):
             raise ConfigError(f"router.num_groups={self.num_groups}, router.groups_per_token="
                               f"{self.groups_per_token}: group-limited routing needs both set "
@@ -86,6 +105,9 @@ def group_limited_mask(scores_TE: torch.Tensor, num_groups: int, groups_per_toke
 class TopKRouter(Router):
     """Each token picks the k experts with the highest (biased) scores.
 
+    Under quantile balancing (`megamoe.balancing.quantile`) the experts are the top k of the
+    fp32 logits minus its bias instead. With `router.replay` the experts may be replayed
+    (`megamoe.routing.replay`).
     Gates are the unbiased scores: softmax over all experts (`pre_softmax`), or renormalised over
     the chosen experts (softmax after selection, and always for sigmoid and sqrtsoftplus with
     k > 1), times `topk_scaling_factor`.
@@ -93,12 +115,18 @@ class TopKRouter(Router):
 
     def select(self, scores_TE, logits_TE, real_T=None):
         cfg, topk = self.cfg.router, self.cfg.topk
-        choice_TE = self.selection_scores(scores_TE)
-        if cfg.num_groups is not None:
-            allowed_TE = group_limited_mask(choice_TE, cfg.num_groups, cfg.groups_per_token,
-                                            cfg.experts_scoring_a_group(topk))
-            choice_TE = choice_TE.masked_fill(~allowed_TE, float("-inf"))
-        topk_idx_TK = choice_TE.topk(topk, dim=-1).indices
+        if self.quantile_beta_E is not None:
+            topk_idx_TK = self.quantile_choice(logits_TE, real_T)
+        else:
+            choice_TE = self.selection_scores(scores_TE)
+            if cfg.num_groups is not None:
+                allowed_TE = group_limited_mask(choice_TE, cfg.num_groups, cfg.groups_per_token,
+                                                cfg.experts_scoring_a_group(topk))
+                choice_TE = choice_TE.masked_fill(~allowed_TE, float("-inf"))
+            topk_idx_TK = choice_TE.topk(topk, dim=-1).indices
+        if self.replay is not None:
+            topk_idx_TK = replayed_topk(self.replay, topk_idx_TK, scores_TE.shape[1],
+                                        in_recomputation())
         selected_TE = torch.zeros_like(scores_TE, dtype=torch.bool)
         selected_TE.scatter_(1, topk_idx_TK, True)
         gates_TE = scores_TE * selected_TE
@@ -109,3 +137,16 @@ class TopKRouter(Router):
         if cfg.topk_scaling_factor is not None:
             gates_TE = gates_TE * cfg.topk_scaling_factor
         return selected_TE, gates_TE
+
+    @torch.no_grad()
+    def quantile_choice(self, logits_TE: torch.Tensor,
+                        real_T: Optional[torch.Tensor]) -> torch.Tensor:
+        """Quantile balancing's top-k [T, K]; a counted forward also estimates the next bias
+        from the real tokens of the whole token group (the tensor-parallel ranks')."""
+        logits_TE = logits_TE.detach().float()
+        topk_idx_TK, cutoff_T1 = quantile_routing(logits_TE, self.quantile_beta_E, self.cfg.topk)
+        if self.counts_this_forward():
+            shifted_NE, _ = gather_group_logits(self.token_comm, logits_TE - cutoff_T1, real_T)
+            if shifted_NE.shape[0]:
+                self.add_quantile_estimate(expert_quantile(shifted_NE, self.cfg.topk))
+        return topk_idx_TK

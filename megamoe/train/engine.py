@@ -52,6 +52,7 @@ from megamoe.train.config import TrainConfig
 from megamoe.train.data import Batch
 from megamoe.train.muon_optimizer import muon_optimizer
 from megamoe.train.qk_clip import QKClip
+from megamoe.train.routing_records import RoutingRecords
 
 # Keys of the optimizer state are the parameters' own (no `chained_N.` prefix): the number and
 # order of chained optimizers differ between layouts (a stage without experts has an empty one).
@@ -84,6 +85,8 @@ class Engine:
         self.layer_seeds = LayerSeeds(chunks, config.training.seed)
         self._step = 0
         self._forwards: list[int] = []
+        self.routing: Optional[RoutingRecords] = None
+        """Set by the loop under training.routing_record / routing_replay."""
         with self.device_context():
             if on_cuda:
                 for chunk in chunks:
@@ -129,15 +132,19 @@ class Engine:
         # This chunk's k-th forward of the step is micro-batch k of this data-parallel rank.
         chunk = self.ddp.index(model)
         local, self._forwards[chunk] = self._forwards[chunk], self._forwards[chunk] + 1
-        self.layer_seeds.start_microbatch(
-            self._step, local * parallel_state.get_data_parallel_world_size()
-            + parallel_state.get_data_parallel_rank())
+        microbatch = (local * parallel_state.get_data_parallel_world_size()
+                      + parallel_state.get_data_parallel_rank())
+        self.layer_seeds.start_microbatch(self._step, microbatch)
         if self.on_cuda:
             batch = type(batch)(*(t.cuda(non_blocking=True) for t in batch))
         # A router that reads the prompt (SIMoE's) gets the instruction batch's prompt mask.
         prompt = {"prompt_mask": batch.prompt_mask} if self.routes_prompt else {}
+        if self.routing is not None:
+            self.routing.before_forward(chunk, microbatch)
         losses_BS = model(batch.tokens, batch.position_ids, self.mask, labels=batch.labels,
                           **prompt)
+        if self.routing is not None:
+            self.routing.after_forward(chunk, microbatch)
         return losses_BS, partial(_lm_loss, batch.loss_mask)
 
     def forward_backward(self, batches: Iterator[Batch], num_microbatches: int, step: int
@@ -152,6 +159,8 @@ class Engine:
         labels)."""
         step_batches = [next(batches) for _ in range(num_microbatches)]
         self._step, self._forwards = step, [0] * len(self.ddp)
+        if self.routing is not None:
+            self.routing.start_step(step)
         for ddp in self.ddp:
             ddp.train()
             ddp.zero_grad_buffer()
@@ -164,6 +173,8 @@ class Engine:
                 model=self.ddp, num_microbatches=num_microbatches,
                 seq_length=self.config.model.seq_length, micro_batch_size=t.micro_batch_size,
                 forward_only=False)
+        if self.routing is not None:
+            self.routing.end_step()
         totals = torch.zeros(2 + self.config.model.mtp_layers)
         mtp = take_mtp_losses() if self.config.model.mtp_layers else None
         if parallel_state.get_tensor_model_parallel_rank() == 0:

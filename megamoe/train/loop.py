@@ -22,6 +22,7 @@ One optimizer step:
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import socket
@@ -40,6 +41,7 @@ from megamoe.checkpointing.layout import TrainState, latest_checkpoint
 from megamoe.errors import ConfigError
 from megamoe.megatron.runtime import setup_megatron, teardown_megatron
 from megamoe.parallel.comm import TorchComm
+from megamoe.routing.token_ids import capture_input_ids
 from megamoe.train.checkpoint import (check_start, load_checkpoint, load_model_weights,
                                       resolve_weights_dir, resume_checkpoint, save_checkpoint)
 from megamoe.train.config import TrainConfig, dump_config
@@ -61,6 +63,7 @@ from megamoe.train.inputs import NO_RECORD, data_sources, training_batches
 from megamoe.train.methods import Evaluation, TrainingMethod, training_method
 from megamoe.train.metrics import MetricsLogger
 from megamoe.train.model import build_model, transformer_config
+from megamoe.train.routing_records import RoutingRecords
 from megamoe.train.run_lock import lock_output_dir
 from megamoe.train.schedule import LRSchedule, apply_step_settings
 from megamoe.train.signals import StopRequest
@@ -187,8 +190,15 @@ def _prepare(config: TrainConfig, on_cuda: bool, bf16: bool) -> _Run:
         chunks = method.build_model(config, tc, vocab_size)
     else:
         chunks = build_model(config, tc, vocab_size)
+    for chunk in chunks:  # hash routing reads the token ids of every forward
+        capture_input_ids(chunk)
     engine = Engine(chunks, tc, config, on_cuda,
                     routes_prompt=method is not None and method.routes_prompt)
+    records = config.training.routing_replay or config.training.routing_record
+    if records:
+        engine.routing = RoutingRecords(
+            chunks, records, replay=bool(config.training.routing_replay),
+            tokens=config.model.seq_length * config.training.micro_batch_size)
     # One module for the loop's per-model helpers (balancing, guards, checkpoints).
     model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
 
@@ -294,7 +304,8 @@ def _train(run: _Run, stop: StopRequest) -> None:
         if config.parallel.pipeline > 1:
             moe_metrics = _gather_pipeline_metrics(moe_metrics, run.pgs.pp)
         elapsed = time.perf_counter() - start
-        with engine.device_context():  # tensor-parallel collectives of Megatron on the CPU
+        routing = engine.routing.suspended() if engine.routing else contextlib.nullcontext()
+        with engine.device_context(), routing:  # Megatron's TP collectives on the CPU
             if heldout is not None and heldout.due(step):
                 moe_metrics.update(heldout(run.model))
             if run.evaluation is not None and run.evaluation.due(step):

@@ -1,8 +1,8 @@
 """Per-rank jobs of the parallel-layout tests (run through `megamoe.parallel.spawn`).
 
 Every job trains the same tiny GPT-MoE (layer 0 dense, layers 1-3 MoE with a shared expert,
-loss-free bias plus aux and z losses; its MLA variant with latent attention, its MTP variant
-with multi-token prediction) through the real
+loss-free bias plus aux and z losses; its MLA variant with latent attention and latent MoE
+layers under quantile balancing, its MTP variant with multi-token prediction) through the real
 trainer (`megamoe.train.loop`) at one or more parallel layouts, one after the other in the same
 processes (megatron.core is imported once per process). Every run starts from the seed alone (no `checkpoint.init_from`): the initial
 weights are layout-invariant, so a layout changes nothing but how the work is split.
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 STEPS = 4
+BIAS_KEYS = ("expert_bias", "qb_beta")  # the loss-free bias, quantile balancing's
 RESUME_AT = 2  # the runs that resumes start from checkpoint here; every run at its end
 RESUME_SOURCES = ("tp2_sp", "pp2", "dp2_ep2", "tp2_pp2_ep2", "vocab_tp1", "mtp_pp2")
 # A vocabulary padded differently at TP1 and TP2 (Megatron-Core pads it to a multiple of
@@ -46,6 +47,16 @@ BASE = {
     "optimizer": {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_steps": 2},
     "checkpoint": {"interval": 0},
     "logging": {"interval": 1, "progress_bar": False, "tensorboard": False},
+}
+
+# Routing replay: the reference records its routing (ROUTING_RECORD, in its output folder); runs
+# whose 50x faster bias would route otherwise replay it at other layouts (REPLAY_LAYOUTS).
+ROUTING_RECORD = "routing"
+REPLAY_ROUTER = {"score_function": "sigmoid", "replay": True}
+FASTER_BIAS = {**BASE["moe"]["balancing"], "bias_update_rate": 0.5}
+REPLAY_LAYOUTS = {  # name -> (processes, parallel section)
+    "replay_dp2_ep2": (2, {"expert": 2}),
+    "replay_pp2": (2, {"pipeline": 2}),
 }
 
 # name -> (processes, parallel section)
@@ -72,8 +83,13 @@ RANDOM_LAYOUTS = {  # name -> (processes, parallel section, training section)
 }
 # The MLA variant: the same model with multi-head latent attention (DeepSeek-V2's, arXiv
 # 2405.04434) instead of multi-head attention, trained from its own one-process reference.
+# Its MoE layers are those of 2026 too: latent experts (Nemotron 3, 16 wide in the 32-wide model)
+# balanced by quantile balancing (its quantile over the tensor-parallel group's tokens, its
+# estimates averaged over the data-parallel replicas).
 MLA = {"model": {"position_embedding": "rope", "multi_latent_attention": True, "q_lora_rank": 16,
-                 "kv_lora_rank": 8, "qk_head_dim": 8, "qk_pos_emb_head_dim": 4, "v_head_dim": 8}}
+                 "kv_lora_rank": 8, "qk_head_dim": 8, "qk_pos_emb_head_dim": 4, "v_head_dim": 8},
+       "moe": {"experts": {"latent_size": 16},
+               "balancing": {"methods": "quantile", "quantile_ema": 0.5}}}
 MLA_LAYOUTS = {  # name -> (processes, parallel section, training section)
     # Recomputing the up projections changes nothing, so it rides along with TP (where the
     # recomputation replays the sequence-parallel gathers).
@@ -95,6 +111,21 @@ RECOMPUTE = {"recompute_full": {"recompute": "full"},
              "recompute_selective_mlp": {"recompute": "selective",
                                          "recompute_modules": ["core_attn", "layernorm", "mlp"]},
              "recompute_selective_moe": {"recompute": "selective", "recompute_modules": ["moe"]}}
+
+
+def recording(raw: dict) -> dict:
+    """`raw` with its routing recorded in ROUTING_RECORD beside its output."""
+    raw["moe"]["router"] = dict(REPLAY_ROUTER)
+    raw["training"]["routing_record"] = str(Path(raw["output_dir"]) / ROUTING_RECORD)
+    return raw
+
+
+def replaying(raw: dict, recorded: str) -> dict:
+    """`raw` with a 50x faster bias, replaying the routing `recorded` (an output folder) wrote."""
+    raw["moe"]["router"] = dict(REPLAY_ROUTER)
+    raw["moe"]["balancing"] = dict(FASTER_BIAS)
+    raw["training"]["routing_replay"] = str(Path(recorded) / ROUTING_RECORD)
+    return raw
 
 
 def config_dict(data: dict, out: str, parallel: dict, training: dict = None,
@@ -146,9 +177,10 @@ def train(raw: dict, snapshot: str = None) -> dict:
             loop._train(run, StopRequest())
         finally:
             run.logger.close()
-        biases = {f"layer {module.layer_number}": module.expert_bias.detach().clone()
+        biases = {f"layer {module.layer_number}": bias.detach().clone()
                   for module in run.model.modules()
-                  if getattr(module, "expert_bias", None) is not None}
+                  for bias in [getattr(module, "expert_bias", None),
+                               getattr(module, "qb_beta", None)] if bias is not None}
     finally:
         teardown_megatron()
     result = {"biases": biases, "seconds": time.monotonic() - start}
@@ -158,6 +190,7 @@ def train(raw: dict, snapshot: str = None) -> dict:
         steps = [r for r in records if "loss" in r and "event" not in r]
         result.update(steps=[r["step"] for r in steps], losses=[r["loss"] for r in steps],
                       grad_norms=[r["grad_norm"] for r in steps],
+                      loads=[[r[k] for k in sorted(r) if k.endswith("/load")] for r in steps],
                       mtp_losses=[r.get("mtp/depth1/loss") for r in steps],
                       heldout={k: v for k, v in steps[-1].items() if k.startswith("heldout")})
     return result
@@ -234,6 +267,6 @@ def weights_job(rank: int, world_size: int, runs: list[dict], compare: list[dict
             diffs[name] = {key: float((weights[name][key] - value).abs().max())
                            for key, value in reference.items()}
         results.setdefault("reference_bias", {k: v for k, v in reference.items()
-                                              if k.endswith("expert_bias")})
+                                              if k.endswith(BIAS_KEYS)})
     results["weight_diffs"] = diffs
     return results

@@ -5,17 +5,17 @@ per-step losses and gradient norms, final weights and expert biases within 1e-4 
 biases identical on every rank, and (without pipelining) the held-out evaluation's loss and
 routing. Checkpoints saved at one layout resume at another (TP 2->1,
 PP 2->1->2, EP 2->4, TP2xPP2xEP2 -> one process) with the losses of an uninterrupted run at the
-new layout, and TP 1->2->1 with a vocabulary padded differently at each size (the saved rows
+new layout; the reference's recorded routing replays at DP2xEP2 and PP2 (routing replay), and TP 1->2->1 with a vocabulary padded differently at each size (the saved rows
 carried bit for bit, padding rows added or dropped). Full and selective activation recomputation
 give the same gradients (norms), weights and biases (each token counted once). The model's MLA
-variant (multi-head latent attention) trains at TP2+SP (its up projections recomputed), PP2 and
-DP2xEP2 as its own one-process reference does; so does its MTP variant (multi-token prediction,
+variant (multi-head latent attention, with latent MoE layers under quantile balancing) trains at
+TP2+SP (its up projections recomputed), PP2 and DP2xEP2 as its own one-process reference does; so does its MTP variant (multi-token prediction,
 one depth with a megamoe layer on the last pipeline stage), its per-depth loss included, and its
 PP2 checkpoint resumes at one process.
 
 Spawns, in order (each imports megatron.core once and runs several layouts): one process
 (references, recompute runs, the vocabulary's TP1 run), two (five layouts, first resume legs,
-vocabulary TP 1->2), four (three layouts, EP 2->4), one (resumes at one process, vocabulary
+vocabulary TP 1->2, two replays of the reference's routing), four (three layouts, EP 2->4), one (resumes at one process, vocabulary
 TP 2->1, final weights of all), two (PP 1->2, the vocabulary's TP2 run resumed at TP2).
 """
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _spawn(label, world, fn, root, **kwargs):
 @pytest.fixture(scope="session")
 def world1a(data, root):
     """The single-process reference; full and selective recompute; dropout on."""
-    runs = [{"name": "reference", "raw": _raw(data, root, "reference", {})},
+    runs = [{"name": "reference", "raw": lw.recording(_raw(data, root, "reference", {}))},
             {"name": "mla_reference", "raw": _raw(data, root, "mla_reference", {}, None, lw.MLA)},
             {"name": "mtp_reference", "raw": _raw(data, root, "mtp_reference", {}, None, lw.MTP)},
             ] + [{"name": name, "raw": _raw(data, root, name, {}, settings)}
@@ -108,7 +108,11 @@ def world2a(world1a, data, root):
                                               {**lw.VOCAB, "checkpoint": {"interval": 1}}),
              "resume_from": (str(root / "vocab_tp1"), lw.RESUME_AT),
              "snapshot": str(root / "vocab_tp2" / "loaded")}
-    return _spawn("world2a", 2, lw.job, root, runs=_layout_runs(data, root, 2) + [vocab])
+    replays = [{"name": name, "raw": lw.replaying(_raw(data, root, name, parallel),
+                                                  str(root / "reference"))}
+               for name, (_, parallel) in lw.REPLAY_LAYOUTS.items()]
+    return _spawn("world2a", 2, lw.job, root,
+                  runs=_layout_runs(data, root, 2) + [vocab] + replays)
 
 
 @pytest.fixture(scope="session")
@@ -228,7 +232,10 @@ def test_layout_trains_as_one_process(everything, name):
         assert any(k.startswith("mtp.layers.0.") for k in weight_diffs)
     worst = max(weight_diffs, key=weight_diffs.get)
     assert weight_diff <= TOL, f"{worst}: {weight_diff}"
-    assert any(k.endswith("expert_bias") for k in weight_diffs)
+    assert any(k.endswith(lw.BIAS_KEYS) for k in weight_diffs)
+    if name in lw.MLA_LAYOUTS:  # latent experts balanced by quantile balancing
+        assert any(k.endswith("fc1_latent_proj.weight") for k in weight_diffs)
+        assert any(k.endswith("qb_beta") for k in weight_diffs)
     _check_biases_replicated(ranks, name)
     _check_heldout(got["heldout"], reference["heldout"], name)
 
@@ -262,6 +269,17 @@ def test_dropout_and_jitter_draw_as_one_process(everything, name):
     assert _max_diff(reference["losses"], without["losses"]) > 1e-3  # the draws matter
     assert loss_diff <= TOL, (got["losses"], reference["losses"])
     assert norm_diff <= TOL, (got["grad_norms"], reference["grad_norms"])
+
+
+@pytest.mark.parametrize("name", lw.REPLAY_LAYOUTS)
+def test_a_replayed_record_routes_the_same_tokens_to_the_same_experts(everything, name):
+    """The reference recorded its routing; these runs, at another layout and with a bias 50x
+    faster (so their routers alone would route otherwise), replay it: every step's expert loads
+    are the reference's exactly, and so are the losses (the bias only selects experts)."""
+    reference = everything[0][0]["reference"]
+    got = _result(name, *everything)[0][name]
+    assert got["loads"] == reference["loads"] and len(got["loads"]) == lw.STEPS
+    assert _max_diff(got["losses"], reference["losses"]) <= TOL
 
 
 def test_expert_biases_moved(everything):

@@ -189,10 +189,13 @@ def test_roles_separate_the_model_from_its_training():
         assert roles[name] == TRAINING, name
 
 
+REQUIRED_ROUTER_SETTINGS = {"hash": {"vocab_size": 32}}  # the vocabulary its table covers
+
+
 @pytest.mark.parametrize("kind", ROUTERS.names())
 def test_to_dict_from_dict_round_trip_for_every_router(kind):
     settings = ROUTERS.config_class(kind)
-    tree = {**BASE, "topk": 1, "router": {"kind": kind},
+    tree = {**BASE, "topk": 1, "router": {"kind": kind, **REQUIRED_ROUTER_SETTINGS.get(kind, {})},
             "balancing": {"methods": "aux_loss", "bias_update_schedule": [[10, 0.0]]},
             "dispatcher": {"kind": "allgather", "capacity_factor": 1.25}}
     cfg = MoEConfig.from_dict(tree)

@@ -124,6 +124,49 @@ def test_balancing_matches_megatron_topk_router(megatron, case):
     torch.testing.assert_close(ours.router.weight.grad, theirs.weight.grad, rtol=1e-5, atol=1e-8)
 
 
+MEGATRON_HAS_QB = "moe_router_quantile_balancing_ema" in TransformerConfig.__dataclass_fields__
+
+
+@pytest.mark.skipif(not MEGATRON_HAS_QB, reason="this megatron-core has no quantile balancing")
+@pytest.mark.parametrize("score", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_quantile_balancing_matches_megatron_over_five_global_batches(megatron, score):
+    """Megatron-Core's TopKRouter with quantile_balancing, its finalize_model_grads ending each
+    global batch of 2 micro-batches, against megamoe's layer built from the same
+    TransformerConfig twice: as Megatron-LM's --spec builds it (finalize_model_grads updates
+    the bias) and under megamoe's own loop (`step_balancing`). Routing map, probabilities and
+    the bias after each of 5 updates."""
+    settings = dict(moe_router_load_balancing_type="quantile_balancing", moe_aux_loss_coeff=0.0,
+                    moe_router_quantile_balancing_ema=0.5, moe_router_score_function=score,
+                    moe_router_topk_scaling_factor=2.5 if score != "softmax" else None)
+    tc, theirs, own_loop = router_pair(settings)
+    megatron_lm = MegatronMoELayer(tc)
+    assert megatron_lm.router.step_owner is StepOwner.FINALIZE_MODEL_GRADS
+    megatron_lm.load_state_dict(own_loop.state_dict())
+    for step in range(5):
+        for micro in range(2):
+            x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(10 * step + micro))
+            probs, routing_map = theirs(x)
+            for layer in (own_loop, megatron_lm):
+                routing = layer.router(x.reshape(S * B, H))
+                assert torch.equal(routing.selected_TE, routing_map)
+                torch.testing.assert_close(routing.gates_TE, probs.detach(), rtol=1e-6,
+                                           atol=1e-7)
+        finalize_model_grads([MegatronChunk(theirs)])
+        finalize_model_grads([MegatronChunk(megatron_lm)])
+        step_balancing(own_loop)
+        assert float(theirs.qb_beta.abs().max()) > 1e-3
+        for layer in (own_loop, megatron_lm):
+            torch.testing.assert_close(layer.router.qb_beta, theirs.qb_beta, rtol=0, atol=1e-6)
+    clear_aux_losses_tracker()
+
+
+@pytest.mark.skipif(not MEGATRON_HAS_QB, reason="this megatron-core has no quantile balancing")
+def test_quantile_balancing_state_dict_is_megatrons(megatron):
+    _, theirs, ours = router_pair(dict(moe_router_load_balancing_type="quantile_balancing",
+                                       moe_aux_loss_coeff=0.0))
+    assert set(theirs.state_dict()) == set(ours.router.state_dict())
+
+
 @pytest.mark.parametrize("case", [_case("bias_seq_aux"), _case("sqrtsoftplus_bias_seq_aux")])
 def test_group_limited_bias_routing_matches_megatron(megatron, case):
     """DeepSeek-V3 routing (4 of 8 groups... here 2 of 4, bias, scaling 2.5), with its sigmoid
@@ -322,12 +365,14 @@ STEP_STATE = {
                      "dispatcher": {"capacity_factor": 1.0}},
     "bias_without_megatron_flag": {"balancing": {"methods": "bias", "bias_update_rate": 0.05},
                                    "router": {"score_function": "sigmoid"}},
+    "quantile": {"balancing": {"methods": "quantile", "quantile_ema": 0.5}},
 }
 
 
 def _step_state(router) -> dict[str, torch.Tensor]:
     return {n: b.clone() for n, b in router.named_buffers()
-            if n in ("threshold_ema", "threshold_updates", "adaptive_aux_coeff", "expert_bias")}
+            if n in ("threshold_ema", "threshold_updates", "adaptive_aux_coeff", "expert_bias",
+                     "qb_beta")}
 
 
 @pytest.mark.parametrize("case", sorted(STEP_STATE))

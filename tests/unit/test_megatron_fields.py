@@ -29,11 +29,11 @@ def test_every_installed_moe_field_is_classified(name):
 
 
 REFUSED_VALUES = {
-    "moe_extended_tp": True, "moe_enable_routing_replay": True,
+    "moe_extended_tp": True,
     "moe_router_topk_limited_devices": 2, "moe_router_padding_for_quantization": True,
     "moe_router_padding_for_fp8": True, "moe_router_force_load_balancing": True,
     "moe_token_dropping": True, "moe_pad_expert_input_to_capacity": True,
-    "moe_apply_probs_on_input": True, "moe_latent_size": 8,
+    "moe_apply_probs_on_input": True,
 }
 
 
@@ -70,6 +70,41 @@ def test_other_refusals(changes, message):
         object.__setattr__(config, name, value)
     with pytest.raises(ConfigError, match=message):
         moe_config_from_transformer_config(config)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(moe_aux_loss_coeff=1e-2), "moe_aux_loss_coeff=0.01, moe_router_enable_expert_bias="
+                                    "False: quantile balancing sets the load by its own bias"),
+    (dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"),
+     "set --moe-aux-loss-coeff 0 and drop --moe-router-enable-expert-bias"),
+    (dict(moe_router_load_balancing_type=["quantile_balancing", "aux_loss"],
+          moe_aux_loss_coeff=[0.0, 1e-2]), r"'quantile_balancing' \(alone"),
+    (dict(moe_router_num_groups=2, moe_router_group_topk=1), "takes no group-limited routing"),
+])
+def test_quantile_balancing_refusals_are_one_line(changes, message):
+    config = tc(moe_aux_loss_coeff=0.0)
+    object.__setattr__(config, "moe_router_load_balancing_type", "quantile_balancing")
+    for name, value in changes.items():
+        object.__setattr__(config, name, value)
+    with pytest.raises(ConfigError, match=message) as err:
+        moe_config_from_transformer_config(config)
+    assert "\n" not in str(err.value)
+
+
+def test_quantile_balancing_maps_both_ways():
+    config = tc(moe_aux_loss_coeff=0.0)
+    object.__setattr__(config, "moe_router_load_balancing_type", "quantile_balancing")
+    if hasattr(config, "moe_router_quantile_balancing_ema"):
+        object.__setattr__(config, "moe_router_quantile_balancing_ema", 0.25)
+    cfg = moe_config_from_transformer_config(config)
+    assert cfg.balancing.uses_quantile and not cfg.balancing.loss_coeffs
+    settings = transformer_config_settings(cfg, StepOwner.FINALIZE_MODEL_GRADS)
+    assert (settings["moe_router_load_balancing_type"], settings["moe_aux_loss_coeff"],
+            settings["moe_router_enable_expert_bias"]) == ("quantile_balancing", 0.0, False)
+    if hasattr(config, "moe_router_quantile_balancing_ema"):  # megatron-core 0.19
+        assert cfg.balancing.quantile_ema == settings["moe_router_quantile_balancing_ema"] == 0.25
+    else:
+        assert "moe_router_quantile_balancing_ema" not in settings
 
 
 def test_lists_of_losses_and_bias_compose():
@@ -175,7 +210,8 @@ def test_megamoes_own_step_owner_keeps_megatrons_bias_update_off():
     settings = transformer_config_settings(cfg, StepOwner.STEP_BALANCING, HOST_LINKS)
     assert not any(name.startswith("moe_router_") and name != "moe_router_enable_expert_bias"
                    and name != "moe_router_load_balancing_type"
-                   and name != "moe_router_bias_update_rate" for name in settings)
+                   and name != "moe_router_bias_update_rate"
+                   and name != "moe_router_quantile_balancing_ema" for name in settings)
     tc = tiny_transformer_config(hidden_size=16, **settings)
     assert tc.moe_router_enable_expert_bias is False
     back = moe_config_from_transformer_config(tc)

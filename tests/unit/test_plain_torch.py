@@ -117,7 +117,7 @@ def test_an_attached_loss_trains_as_if_added_to_the_objective():
 def test_layer_config_names_come_from_the_registries():
     from megamoe.registry import ACTIVATIONS, DISPATCHERS, ROUTERS
 
-    assert set(ROUTERS.names()) == {"topk", "top_p", "threshold", "sinkhorn", "base"}
+    assert set(ROUTERS.names()) == {"topk", "top_p", "threshold", "sinkhorn", "base", "hash"}
     assert set(DISPATCHERS.names()) == {"alltoall", "allgather"}
     assert set(ACTIVATIONS.names()) == {"swiglu", "clamped_swiglu", "gelu", "squared_relu"}
     base = dict(hidden_size=8, num_experts=4, ffn_hidden_size=8)

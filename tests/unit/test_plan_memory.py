@@ -129,9 +129,11 @@ TINY_GPT_OSS = ["model.first_k_dense=0", "model.add_qkv_bias=true", "model.add_b
                 "moe.experts.bias=true", "moe.experts.activation=clamped_swiglu"]
 TINY_GLM = ["model.mtp_layers=2", "model.share_embeddings=true", "model.qk_layernorm=true",
             "moe.shared_expert.ffn_hidden_size=64"]
+TINY_LATENT = ["moe.experts.latent_size=32"]
 
 
-@pytest.mark.parametrize("overrides", [TINY_GPT_OSS, TINY_GLM], ids=["gpt_oss", "glm_mtp"])
+@pytest.mark.parametrize("overrides", [TINY_GPT_OSS, TINY_GLM, TINY_LATENT],
+                         ids=["gpt_oss", "glm_mtp", "latent"])
 def test_counts_by_part(overrides):
     """Embedding, output layer, multi-token-prediction depths and the routed experts a token
     skips, counted on the tiny config's build, against the architecture by hand (4 layers,
@@ -150,6 +152,14 @@ def test_counts_by_part(overrides):
                                          output=V * h, mtp=0, mtp_depths=0,
                                          inactive=4 * (E - k) * expert, mtp_inactive=0)
         return
+    if overrides is TINY_LATENT:  # experts 32 wide, between two h x 32 projections
+        attention = _attention(h, 4, 2, 32) + h
+        expert = 3 * 32 * 128
+        moe = attention + E * expert + 2 * h * 32 + E * h
+        assert counts == ParameterCounts(
+            total=2 * V * h + (attention + 3 * h * 512) + 3 * moe + h, embedding=V * h,
+            output=V * h, mtp=0, mtp_depths=0, inactive=3 * (E - k) * expert, mtp_inactive=0)
+        return
     attention = _attention(h, 4, 2, 32, qk_norm="head") + h
     expert = 3 * h * 128
     moe = attention + E * expert + 3 * h * 64 + E * h
@@ -159,6 +169,23 @@ def test_counts_by_part(overrides):
                                      inactive=3 * (E - k) * expert,
                                      mtp_inactive=2 * (E - k) * expert)
     assert counts.with_mtp_copies == counts.total + 2 * V * h
+
+
+def test_latent_rows_are_planned_at_the_latent_width():
+    """A latent layer's routed rows cost what a full-width layer of the latent size's cost,
+    plus its two latent-wide activations (projected tokens, combined output)."""
+    from megamoe import MoEConfig
+    from megamoe.plan.activations import Shapes, _moe
+
+    def terms(**tree):
+        cfg = MoEConfig.from_dict({"num_experts": 8, "ffn_hidden_size": 64, "topk": 2, **tree})
+        return {t.name: t.bytes for t in _moe(cfg, Shapes(s=128, b=2, h=256, tp=1, ep=2, e=2,
+                                                          vocab=1024), 0.1)}
+
+    latent = terms(hidden_size=256, experts={"latent_size": 32})
+    narrow = terms(hidden_size=32)
+    projections = latent.pop("latent projections: projected tokens, combined latent output")
+    assert latent == narrow and projections == 2 * 256 * 32 * 2
 
 
 def test_stage_state_bytes_by_hand():

@@ -1,7 +1,9 @@
-"""The `training` section: steps, batch sizes, precision, device, recomputation."""
+"""The `training` section: steps, batch sizes, precision, device, recomputation, routing
+records."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from megamoe.settings import check_choice, check_fields
 from megamoe.train.settings.checks import require
@@ -53,6 +55,14 @@ class TrainingConfig:
     for the step however long it takes. launch/pretrain_moe.sh signals 120 s before the time
     limit."""
 
+    routing_record: Optional[str] = None
+    """Write every step's routing (each MoE layer's top-k experts of every token) under this
+    folder, one file per micro-batch and pipeline stage (`megamoe.train.routing_records`); needs
+    moe.router.replay."""
+    routing_replay: Optional[str] = None
+    """Train with the routing of a record in this folder (routing replay, R3: an inference
+    engine's choices, say) instead of the routers' own; needs moe.router.replay."""
+
     def __post_init__(self) -> None:
         check_fields(self, "training")
         for name in ("train_steps", "micro_batch_size", "global_batch_size"):
@@ -76,3 +86,7 @@ class TrainingConfig:
                 f"training.collective_timeout_s={self.collective_timeout_s} must be > 0")
         require(self.stop_grace_s >= 0,
                 f"training.stop_grace_s={self.stop_grace_s} must be >= 0 (0: no limit)")
+        require(not (self.routing_record and self.routing_replay),
+                f"training.routing_record={self.routing_record} with training.routing_replay="
+                f"{self.routing_replay}: a run records its routing or replays a record, not "
+                "both; drop one")

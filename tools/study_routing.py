@@ -37,7 +37,13 @@ Claims (research notes; papers cited in megamoe.routing / megamoe.balancing):
   token-choice top-k at equal average experts per token;
 - Sinkhorn / BASE: near-perfect balance by construction;
 - Skywork-MoE (arXiv 2406.06563): the gating-logit normalisation sharpens the gate
-  distribution (mean max gate) and the adaptive coefficient lowers the drop rate.
+  distribution (mean max gate) and the adaptive coefficient lowers the drop rate;
+- quantile balancing (Kimi K3, Megatron-Core's `quantile_balancing`): balance at least as good
+  as the loss-free bias (MaxVio_global pooled and per step) with no rate to tune, at a
+  held-out loss within 0.01 of it, on each of two seeds (variants `*_seed2`; `quantile_ema`, its
+  bias blended with EMA 0.9, is a sensitivity row, not the claim). The published comparison is
+  `--out docs/study_quantile --variants quantile,bias,aux_loss,quantile_ema,quantile_seed2,
+  bias_seed2,aux_loss_seed2,quantile_ema_seed2`.
 """
 from __future__ import annotations
 
@@ -118,7 +124,15 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "skywork_adaptive": ("top-2 (softmax), adaptive aux loss (from 1e-2), capacity 1.0",
                          [SOFTMAX, CAPACITY, "moe.balancing.methods=adaptive_aux_loss"]),
     "erc": ("top-2, aux loss 1e-2 + ERC loss 1e-2", ["moe.balancing.erc_loss_coeff=1.0e-2"]),
+    "quantile": ("top-2, quantile balancing (no rate)", ["moe.balancing.methods=quantile"]),
+    "quantile_ema": ("top-2, quantile balancing, bias EMA 0.9 (sensitivity)",
+                     ["moe.balancing.methods=quantile", "moe.balancing.quantile_ema=0.9"]),
 }
+SECOND_SEED = "training.seed=4321"
+BALANCERS = ("aux_loss", "bias", "quantile", "quantile_ema")
+"""The variants the balancing comparison trains again on a second seed (`NAME_seed2`)."""
+VARIANTS.update({f"{name}_seed2": (f"{VARIANTS[name][0]}, seed 4321",
+                                   [*VARIANTS[name][1], SECOND_SEED]) for name in BALANCERS})
 
 
 def finished(out: Path, steps: int) -> bool:
@@ -444,6 +458,33 @@ def claims(rows: dict[str, dict]) -> list[tuple[str, object, str]]:
                     s["dropped_fraction"] < a["dropped_fraction"],
                     f"dropped {100 * s['dropped_fraction']:.2f}% vs "
                     f"{100 * a['dropped_fraction']:.2f}%"))
+    out += quantile_claims(rows)
+    return out
+
+
+def quantile_claims(rows: dict[str, dict]) -> list[tuple[str, object, str]]:
+    """Quantile balancing against the loss-free bias, seed by seed."""
+    seeds = [suffix for suffix in ("", "_seed2")
+             if all(f"{name}{suffix}" in rows for name in ("bias", "quantile"))]
+    if not seeds:
+        return [("quantile balancing vs loss-free bias", None, "variants bias/quantile not run")]
+    out = []
+    for suffix in seeds:
+        seed = "seed 4321" if suffix else "seed 1234"
+        b = rows[f"bias{suffix}"]
+        for name, what in (("quantile", "quantile balancing"),
+                           ("quantile_ema", "sensitivity, quantile balancing with EMA 0.9")):
+            if f"{name}{suffix}" not in rows:
+                continue
+            q = rows[f"{name}{suffix}"]
+            out.append((f"{what} ({seed}): MaxVio_global (pooled and per step) no higher than "
+                        "the loss-free bias's, at held-out loss within 0.01 of it",
+                        q["maxvio_pooled"] <= b["maxvio_pooled"]
+                        and q["maxvio_global"] <= b["maxvio_global"]
+                        and abs(q["heldout_loss"] - b["heldout_loss"]) <= 0.01,
+                        f"MaxVio_global {q['maxvio_pooled']:.3f} vs {b['maxvio_pooled']:.3f}; "
+                        f"per step {q['maxvio_global']:.3f} vs {b['maxvio_global']:.3f}; "
+                        f"held-out {q['heldout_loss']:.4f} vs {b['heldout_loss']:.4f}"))
     return out
 
 

@@ -58,15 +58,19 @@ class RoutingRecords:
         self.routers = [[m for m in chunk.modules() if getattr(m, "replay", None) is not None]
                         for chunk in chunks]
         setting = "training.routing_replay" if replay else "training.routing_record"
-        mine = [r for routers in self.routers for r in routers]
-        if not mine or len(mine) != len(routers_of(chunks)):
+        if sum(map(len, self.routers)) != len(routers_of(chunks)):
             raise ConfigError(f"{setting}={folder} needs every MoE layer's router to record and "
                               "replay; set moe.router.replay=true (a top-k router)")
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
-        self.model_layers = self._model_layers(parallel_state.get_pipeline_model_parallel_group())
+        device = next(chunks[0].parameters()).device
+        self.model_layers = self._model_layers(
+            parallel_state.get_pipeline_model_parallel_group(), device)
+        if not self.model_layers:
+            raise ConfigError(f"{setting}={folder}: the model has no MoE layer to record or "
+                              "replay; drop the setting")
         action = RouterReplayAction.REPLAY_FORWARD if replay else RouterReplayAction.RECORD
         self.action = action
         self._set_action(action)
@@ -74,12 +78,17 @@ class RoutingRecords:
         self.pending: dict[int, dict[str, torch.Tensor]] = {}
         self.loaded: dict[int, dict[int, torch.Tensor]] = {}
 
-    def _model_layers(self, pp_group) -> set[int]:
-        """The global numbers of every MoE layer of the model, all pipeline stages'."""
-        own = sorted(r.layer_number for routers in self.routers for r in routers)
-        gathered: list = [None] * dist.get_world_size(pp_group)
-        dist.all_gather_object(gathered, own, group=pp_group)
-        return {n for part in gathered for n in part}
+    def _model_layers(self, pp_group, device: torch.device) -> set[int]:
+        """The global numbers of every MoE layer of the model, all pipeline stages' (gathered
+        as tensors padded with -1 to the longest stage's count)."""
+        numbers = [r.layer_number for routers in self.routers for r in routers]
+        count = torch.tensor([len(numbers)], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=pp_group)
+        own = torch.full((int(count),), -1, dtype=torch.long, device=device)
+        own[:len(numbers)] = torch.tensor(numbers, dtype=torch.long)
+        parts = [torch.empty_like(own) for _ in range(dist.get_world_size(pp_group))]
+        dist.all_gather(parts, own, group=pp_group)
+        return {int(n) for part in parts for n in part.tolist() if n >= 0}
 
     def _set_action(self, action) -> None:
         for routers in self.routers:

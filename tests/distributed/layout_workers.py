@@ -2,7 +2,8 @@
 
 Every job trains the same tiny GPT-MoE (layer 0 dense, layers 1-3 MoE with a shared expert,
 loss-free bias plus aux and z losses; its MLA variant with latent attention and latent MoE
-layers under quantile balancing, its MTP variant with multi-token prediction) through the real
+layers under quantile balancing, its MTP variant with multi-token prediction, zero-computation
+experts and a hash layer) through the real
 trainer (`megamoe.train.loop`) at one or more parallel layouts, one after the other in the same
 processes (megatron.core is imported once per process). Every run starts from the seed alone (no `checkpoint.init_from`): the initial
 weights are layout-invariant, so a layout changes nothing but how the work is split.
@@ -101,7 +102,15 @@ MLA_LAYOUTS = {  # name -> (processes, parallel section, training section)
 # The multi-token-prediction variant (DeepSeek-V3, arXiv 2412.19437, sec. 2.2): one depth, a
 # megamoe layer (global layer 5) on the last pipeline stage, RoPE (the last stage's copy of the
 # embedding is then the whole input side it needs), trained from its own one-process reference.
-MTP = {"model": {"mtp_layers": 1, "mtp_loss_weight": 0.3, "position_embedding": "rope"}}
+# Its MoE layers are also those of 2026: two zero-computation (identity) experts beside the 4 real
+# ones, their bias steering the compute budget, and a DeepSeek-V4 hash layer first (global layer 2,
+# routed by the token ids every pipeline stage is handed).
+MTP_HASH_LAYER = 2
+MTP = {"model": {"mtp_layers": 1, "mtp_loss_weight": 0.3, "position_embedding": "rope"},
+       "moe": {"experts": {"zero_experts": 2},
+               "layer_overrides": {MTP_HASH_LAYER - 1: {
+                   "router": {"kind": "hash", "vocab_size": 512, "score_function": "sigmoid"},
+                   "balancing": {"methods": "aux_loss"}, "experts": {"zero_experts": 0}}}}}
 MTP_LAYOUTS = {  # name -> (processes, parallel section, training section)
     "mtp_tp2_sp": (2, {"tensor": 2}, {}),
     "mtp_pp2": (2, {"pipeline": 2}, {}),

@@ -103,11 +103,15 @@ class MoELayer(nn.Module):
         if getattr(self.router, "replay", None) is not None:
             self.router.replay.layer_number = layer_number
 
-    def forward(self, hidden_SBD: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+    def forward(self, hidden_SBD: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,
+                token_ids: Optional[torch.Tensor] = None):
         """Returns (output [S, B, D], None) like Megatron's MLPs.
 
         padding_mask: optional bool [B, S], True at padding positions; those tokens are routed to
         no expert, excluded from balancing, and get only the shared expert's output.
+        token_ids: optional [B, S], the batch's token ids for a router that chooses by them
+        (hash routing); by default those the forward was run with
+        (`megamoe.routing.token_ids`).
         """
         S, B, D = hidden_SBD.shape
         x_TD = hidden_SBD.reshape(S * B, D)
@@ -116,7 +120,7 @@ class MoELayer(nn.Module):
         if counted:
             self.start_counting()
         if self.router.needs_token_ids:
-            self.router.token_ids_T = layer_token_ids(S, B, self.token_comm)
+            self.router.token_ids_T = layer_token_ids(S, B, self.token_comm, token_ids)
         routing = self.router(x_TD, padding_T)
         losses = self.balance_losses(routing, S, B, counted) if self.training else {}
         loss_scale = self.loss_scale(routing) if losses else 1.0

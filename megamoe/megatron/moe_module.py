@@ -107,7 +107,7 @@ class MegatronMoELayer(MoELayer):
         super().set_layer_number(global_layer_number(layer_number, self.config,
                                                      self._is_mtp_layer))
 
-    def forward(self, hidden_SBD, padding_mask=None):
+    def forward(self, hidden_SBD, padding_mask=None, token_ids=None):
         """The MoE layer; recomputed in the backward pass under Megatron-Core's selective
         recompute of `moe` (with `mlp`, TransformerLayer already recomputes this whole slot).
         The router counts only the kept forward (`Router.counts_this_forward`)."""
@@ -115,8 +115,9 @@ class MegatronMoELayer(MoELayer):
         if (self.training and self.config.recompute_granularity == "selective"
                 and "moe" in modules and "mlp" not in modules):
             return tensor_parallel.checkpoint(
-                functools.partial(super().forward, padding_mask=padding_mask), False, hidden_SBD)
-        return super().forward(hidden_SBD, padding_mask)
+                functools.partial(super().forward, padding_mask=padding_mask,
+                                  token_ids=token_ids), False, hidden_SBD)
+        return super().forward(hidden_SBD, padding_mask, token_ids)
 
     def make_router(self, cfg: MoEConfig, init_method):
         """The configured router, ended by this layer's step owner, with Megatron's bias-update

@@ -51,14 +51,17 @@ def capture_input_ids(model: torch.nn.Module) -> None:
     model.register_forward_hook(after, with_kwargs=True)
 
 
-def layer_token_ids(seq_len: int, batch: int, token_comm: Comm) -> torch.Tensor:
+def layer_token_ids(seq_len: int, batch: int, token_comm: Comm,
+                    tokens_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The ids [S*B] of a layer's rows (its tensor-parallel rank's positions under sequence
-    parallelism); a one-line error when no forward set them or they do not fit."""
-    tokens_BS = _TOKEN_IDS.get()
+    parallelism) from `tokens_BS` [B, S], by default those set for this forward; a one-line
+    error when there are none or they do not fit."""
+    tokens_BS = _TOKEN_IDS.get() if tokens_BS is None else tokens_BS
     if tokens_BS is None:
         raise ConfigError("router.kind=hash chooses experts by token id, but this forward was "
                           "given none: call megamoe.routing.token_ids.capture_input_ids(model) "
-                          "once, or run the forward inside routing_token_ids(tokens)")
+                          "once, run the forward inside routing_token_ids(tokens), or pass the "
+                          "layer token_ids=")
     full = seq_len * token_comm.size
     if tokens_BS.dim() != 2 or tuple(tokens_BS.shape) != (batch, full):
         raise DataError(f"hash routing: token ids of shape {tuple(tokens_BS.shape)} for a layer "

@@ -169,6 +169,7 @@ def test_ids_reach_a_gpt_forward_and_missing_ids_are_refused():
     out = model(ids, x)
     with routing_token_ids(ids):
         assert torch.equal(out, layer(x)[0])
+    assert torch.equal(out, layer(x, token_ids=ids)[0])  # or given to the layer itself
 
 
 @pytest.mark.parametrize("tree, match", [

@@ -100,7 +100,7 @@ class MoELayer(nn.Module):
     def set_layer_number(self, layer_number: int) -> None:
         """Called by Megatron's TransformerLayer with the global 1-based layer number."""
         self.router.layer_number = layer_number
-        if getattr(self.router, "replay", None) is not None:
+        if self.router.replay is not None:
             self.router.replay.layer_number = layer_number
 
     def forward(self, hidden_SBD: torch.Tensor, padding_mask: Optional[torch.Tensor] = None,

@@ -18,7 +18,7 @@ from megamoe.balancing.inference import InferenceTally
 from megamoe.balancing.owner import StepOwner
 from megamoe.balancing.tracker import LoadTracker
 from megamoe.config import MoEConfig, RouterConfig
-from megamoe.errors import ConfigError
+from megamoe.errors import ConfigError, DataError
 from megamoe.parallel.comm import Comm, SingleComm
 
 
@@ -54,6 +54,26 @@ def refuse_expert_bias(router: RouterConfig, moe) -> None:
     if moe.balancing.uses_expert_bias:
         raise ConfigError(f"balancing.methods includes 'bias' with router.kind={router.kind!r}, "
                           "which balances by construction; drop 'bias' from balancing.methods")
+
+
+def checked_expert_ids(ids_RK, rows: int, experts: int, topk: int, what: str, needs: str,
+                       fix: str) -> torch.Tensor:
+    """`ids_RK` as int64 if it is an integer [rows, topk] tensor of distinct experts below
+    `experts` in each row (a replayed routing, a hash table); a one-line DataError naming `what`
+    (and `needs`, who expects that shape) with `fix` otherwise."""
+    if not isinstance(ids_RK, torch.Tensor) or ids_RK.is_floating_point() \
+            or tuple(ids_RK.shape) != (rows, topk):
+        wanted = f"where {needs} needs integer [{rows}, {topk}]"
+        given = (f"shape {tuple(ids_RK.shape)} {wanted} (given {ids_RK.dtype})"
+                 if isinstance(ids_RK, torch.Tensor) else f"a {type(ids_RK).__name__} {wanted}")
+        raise DataError(f"{what} of {given}; {fix}")
+    if ids_RK.numel() and (int(ids_RK.min()) < 0 or int(ids_RK.max()) >= experts):
+        raise DataError(f"{what} names experts {int(ids_RK.min())} to {int(ids_RK.max())} where "
+                        f"the layer has experts 0..{experts - 1}; {fix}")
+    if topk > 1 and ids_RK.numel() and bool((ids_RK.sort(dim=1).values.diff(dim=1) == 0).any()):
+        raise DataError(f"{what} gives a token an expert twice: each token needs {topk} distinct "
+                        "experts, never the same expert twice")
+    return ids_RK.long()
 
 
 def in_recomputation() -> bool:

@@ -21,7 +21,7 @@ import torch
 from megamoe.config import RouterConfig
 from megamoe.errors import ConfigError, DataError
 from megamoe.registry import ROUTERS
-from megamoe.routing.base import Router, refuse_expert_bias
+from megamoe.routing.base import Router, checked_expert_ids, refuse_expert_bias
 from megamoe.settings import check_choice, model_setting
 
 GATES = ("router", "equal")
@@ -58,24 +58,6 @@ def draw_table(vocab_size: int, num_experts: int, topk: int, seed: int) -> torch
     """[V, K]: k distinct experts per token id, uniformly at random from `seed`."""
     generator = torch.Generator().manual_seed(seed)
     return torch.rand(vocab_size, num_experts, generator=generator).topk(topk, dim=1).indices
-
-
-def checked_table(table: torch.Tensor, vocab_size: int, num_experts: int,
-                  topk: int) -> torch.Tensor:
-    """`table` if it is an integer [V, K] table of distinct experts < E per row; a one-line
-    DataError otherwise."""
-    if table.is_floating_point() or tuple(table.shape) != (vocab_size, topk):
-        raise DataError(f"hash routing table of shape {tuple(table.shape)} ({table.dtype}) where "
-                        f"the layer needs integer [{vocab_size}, {topk}] (router.vocab_size, "
-                        "topk); load a table of this model's vocabulary")
-    if table.numel() and (int(table.min()) < 0 or int(table.max()) >= num_experts):
-        raise DataError(f"hash routing table names experts {int(table.min())} to "
-                        f"{int(table.max())} where the layer has 0..{num_experts - 1}; load a "
-                        "table of this model")
-    if topk > 1 and bool((table.sort(dim=1).values.diff(dim=1) == 0).any()):
-        raise DataError("hash routing table lists an expert twice for a token id; each row "
-                        f"needs {topk} distinct experts")
-    return table.long()
 
 
 @ROUTERS.register("hash", config=HashRouterConfig)
@@ -116,6 +98,8 @@ class HashRouter(Router):
         """A loaded table is checked against the layer before it replaces the drawn one."""
         key = prefix + "tid2eid"
         if key in state_dict:
-            state_dict[key] = checked_table(state_dict[key], self.tid2eid.shape[0],
-                                            self.cfg.num_experts, self.cfg.topk)
+            state_dict[key] = checked_expert_ids(
+                state_dict[key], self.tid2eid.shape[0], self.cfg.num_experts, self.cfg.topk,
+                "hash routing table", "the layer (router.vocab_size rows, topk columns)",
+                "load a table of this model and vocabulary")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from megamoe.errors import DataError
+from megamoe.routing.base import checked_expert_ids
 
 # Megatron-Core's RouterReplayAction values.
 RECORD, REPLAY_FORWARD, REPLAY_BACKWARD = "record", "replay_forward", "replay_backward"
@@ -53,27 +54,13 @@ def replayed_topk(replay, own_TK: torch.Tensor, experts: int,
                             "MoE layer first")
     else:
         return own_TK
-    return checked_indices(indices_TK, own_TK.shape[0], experts, own_TK.shape[1],
-                           replay.layer_number).to(own_TK.device)
+    return checked_replay_indices(indices_TK, own_TK.shape[0], experts, own_TK.shape[1],
+                                  replay.layer_number).to(own_TK.device)
 
 
-def checked_indices(indices_TK: torch.Tensor, tokens: int, experts: int, topk: int,
-                    layer) -> torch.Tensor:
-    """`indices_TK` if it is an integer [tokens, topk] tensor of distinct experts < `experts`
-    per token; a one-line DataError naming the layer otherwise."""
-    where = f"routing replay for MoE layer {layer}"
-    if not isinstance(indices_TK, torch.Tensor) or indices_TK.is_floating_point() \
-            or indices_TK.shape != (tokens, topk):
-        shape = tuple(indices_TK.shape) if isinstance(indices_TK, torch.Tensor) else \
-            type(indices_TK).__name__
-        raise DataError(f"{where}: indices of shape {shape} where this forward needs integer "
-                        f"[{tokens}, {topk}] (its tokens, its top-k); replay a record of this "
-                        "model and batch")
-    if tokens and (int(indices_TK.min()) < 0 or int(indices_TK.max()) >= experts):
-        raise DataError(f"{where}: expert ids from {int(indices_TK.min())} to "
-                        f"{int(indices_TK.max())} where the layer has experts 0..{experts - 1}; "
-                        "replay a record of this model")
-    if topk > 1 and tokens and bool((indices_TK.sort(dim=1).values.diff(dim=1) == 0).any()):
-        raise DataError(f"{where}: a token lists the same expert twice; each token's {topk} "
-                        "experts must differ")
-    return indices_TK.long()
+def checked_replay_indices(indices_TK, tokens: int, experts: int, topk: int,
+                           layer) -> torch.Tensor:
+    """Replayed indices that fit a forward of `tokens` tokens (`checked_expert_ids`)."""
+    return checked_expert_ids(indices_TK, tokens, experts, topk,
+                              f"routing replay for MoE layer {layer}: indices", "this forward",
+                              "replay a record of this model and batch")

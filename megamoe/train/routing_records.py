@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from megamoe.balancing import routers_of
 from megamoe.errors import ConfigError, DataError
 from megamoe.paths import inside
-from megamoe.routing.replay import checked_indices
+from megamoe.routing.replay import checked_replay_indices
 
 LAYER_NAME = re.compile(r"layer_(\d{1,6})")
 MAX_RECORD_BYTES = 1 << 30
@@ -189,8 +189,8 @@ class RoutingRecords:
                     if layer in experts:
                         num_experts, topk = experts[layer]
                         try:
-                            indices = checked_indices(indices, self.tokens, num_experts, topk,
-                                                      layer)
+                            indices = checked_replay_indices(indices, self.tokens,
+                                                             num_experts, topk, layer)
                         except DataError as err:
                             raise DataError(f"{path}: {err}") from None
                     layers[layer] = indices

@@ -6,7 +6,8 @@ is wrapped in Megatron-Core's DistributedDataParallel: expert parameters
 (`param.allreduce == False`) reduce over the expert-data-parallel group, the rest over the
 data-parallel group, and the distributed optimizer (Adam with fp32 main weights, sharded over
 data-parallel ranks) updates them; with `optimizer.name: muon`, Muon and Adam in Megatron's
-non-distributed wrappers over all-reduced gradients (`megamoe.train.muon_optimizer`). Its step
+non-distributed wrappers over all-reduced gradients, each rank updating the whole parameters it
+owns (`megamoe.train.muon_optimizer`). Its step
 is taken in two halves (`grad_norm`, `step`) so the loop's divergence guards see the clipped
 global norm before any weight changes. Micro-batches run
 through `get_forward_backward_func()` (no pipelining, 1F1B, or interleaved 1F1B with virtual

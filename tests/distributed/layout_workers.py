@@ -165,8 +165,10 @@ def _init_process_group() -> None:
 def train(raw: dict, snapshot: str = None) -> dict:
     """One training run at `raw`'s layout, as `megamoe.train.loop.run` does it, keeping the
     model long enough to read every rank's expert biases; with `snapshot`, the state it starts
-    from (as resumed) is first saved there as a checkpoint of this layout."""
+    from (as resumed) is first saved there as a checkpoint of this layout. Every rank returns
+    the bytes of optimizer state it holds after the run; rank 0 also the logged curves."""
     from megamoe.megatron.runtime import setup_megatron, teardown_megatron
+    from megamoe.plan.state import model_state_bytes
     from megamoe.train import loop
     from megamoe.train.checkpoint import save_checkpoint
     from megamoe.train.config import config_from_dict
@@ -186,13 +188,15 @@ def train(raw: dict, snapshot: str = None) -> dict:
             loop._train(run, StopRequest())
         finally:
             run.logger.close()
+        optimizer_bytes = model_state_bytes([run.model], run.engine.optimizer)["optimizer"]
         biases = {f"layer {module.layer_number}": bias.detach().clone()
                   for module in run.model.modules()
                   for bias in [getattr(module, "expert_bias", None),
                                getattr(module, "qb_beta", None)] if bias is not None}
     finally:
         teardown_megatron()
-    result = {"biases": biases, "seconds": time.monotonic() - start}
+    result = {"biases": biases, "optimizer_bytes": optimizer_bytes,
+              "seconds": time.monotonic() - start}
     if dist.get_rank() == 0:
         records = [json.loads(line) for line in
                    (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -201,6 +205,8 @@ def train(raw: dict, snapshot: str = None) -> dict:
                       grad_norms=[r["grad_norm"] for r in steps],
                       loads=[[r[k] for k in sorted(r) if k.endswith("/load")] for r in steps],
                       mtp_losses=[r.get("mtp/depth1/loss") for r in steps],
+                      max_logits=[max((v for k, v in r.items() if k.endswith("/max_logit")),
+                                      default=None) for r in steps],
                       heldout={k: v for k, v in steps[-1].items() if k.startswith("heldout")})
     return result
 

@@ -216,6 +216,33 @@ def test_stage_state_bytes_by_hand():
     assert [layer.number for chunk in shard.chunks for layer in chunk.layers] == [1, 2]
 
 
+def test_muon_state_per_rank_by_hand():
+    """Muon's state on the tiny config at DP2, fp32: replicated, every rank holds Muon's
+    momentum (4 bytes per element of the linear and expert weights) and step count (a 4-byte
+    scalar per weight) and Adam's two moments (8 bytes per element of embeddings, output
+    layer, norms and routers); distributed
+    (`optimizer.muon.distributed`), data-parallel rank 0 holds about half."""
+    from megamoe.plan.layouts import Layout, with_layout
+    from megamoe.plan.shards import build_stage
+    from megamoe.train.config import load_config
+
+    layout = Layout(2, expert=1)
+    h, E, layers, moe_layers = 128, 8, 4, 3
+    attention = h * (4 * 32 + 2 * 2 * 32) + 4 * 32 * h  # QKV and output projection
+    muon = layers * attention + 3 * 512 * h + moe_layers * E * 3 * h * 128
+    adam = 2 * 4096 * h + layers * 2 * h + h + moe_layers * E * h  # embeddings, norms, routers
+    muon_weights = layers * 2 + 2 + moe_layers * 2
+    state = {}
+    for distributed in (False, True):
+        config = with_layout(load_config(REPO / "configs/tiny_cpu.yaml", [
+            "optimizer.name=muon", f"optimizer.muon.distributed={str(distributed).lower()}"]),
+            layout)
+        shard = build_stage(config, layout, 0, bf16=False, vocab_size=4096)
+        state[distributed] = shard.state_bytes["optimizer"]
+    assert state[False] == 4 * muon + 4 * muon_weights + 8 * adam
+    assert 0.45 * state[False] <= state[True] <= 0.55 * state[False]
+
+
 @pytest.mark.parametrize("first_k_dense, tensors", [(0, [1, 2, 4]), (1, [1])])
 def test_layouts_follow_the_trainers_config_check(first_k_dense, tensors):
     """The planner offers the tensor sizes the trainer accepts: a dense MLP 129 wide (odd)

@@ -31,6 +31,7 @@ CASES = {
     "bench_ep_dispatch": (["--dispatchers", "nosuch", "--out", "{tmp}/ep.json"], "nosuch"),
     "bench_moe_layer": (["--json", "{tmp}"], "is a folder"),
     "bench_muon": (["--config", "{tmp}/missing.yaml"], "missing.yaml does not exist"),
+    "bench_muon_memory": (["--config", "{tmp}/missing.yaml"], "missing.yaml does not exist"),
     "bench_parameter_counts": (["--model", "nosuch"], "'nosuch' is not a released model"),
     "bench_preprocess": (["--megatron-lm", "{tmp}/missing", "--workdir", "{tmp}/work"],
                          "is not a Megatron-LM checkout"),

@@ -30,6 +30,11 @@ class MuonSettings:
     scale: str = "moonlight"
     """Update scaling: `moonlight` (0.2 sqrt(max(rows, cols)): AdamW's update RMS, so Muon
     takes `lr` and `weight_decay` as AdamW does), `jordan` (sqrt(max(1, rows/cols))), `none`."""
+    distributed: bool = True
+    """Shard the optimizer state by whole parameters over the data-parallel ranks (as
+    Megatron-Core's layer-wise distributed optimizer): each rank holds and updates the
+    parameters it owns, then broadcasts them (megamoe.train.muon_optimizer). false: every
+    data-parallel rank holds the whole state and computes every update."""
 
     def __post_init__(self) -> None:
         check_fields(self, "optimizer.muon")

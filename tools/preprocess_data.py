@@ -13,7 +13,9 @@ end-of-document id (the tokenizer's EOS): the stream Megatron-LM's preprocess_da
 out unless given --tokenizer-hf-include-special-tokens; later ones include it). Documents
 without any token are left out, as Megatron-LM leaves them out. PREFIX.tokenizer-identity.json
 records the tokenizer. --workers processes tokenize in parallel (a progress bar on a terminal
-shows MB/s and documents/s); outputs appear only when whole.
+shows MB/s and documents/s); outputs appear only when whole. A document longer than
+--max-document-mb (default 8) is refused in one line naming its file and line: tokenizing a
+document holds memory in proportion to its length (docs/benchmarks.md gives the figure).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megamoe.errors import CliArgumentParser, DataError, int_at_least, run_cli  # noqa: E402
-from megamoe.train.data_prep import preprocess  # noqa: E402
+from megamoe.train.data_prep import MAX_DOCUMENT_BYTES, preprocess  # noqa: E402
 from megamoe.train.tokenizer import MODEL_TYPES  # noqa: E402
 
 
@@ -50,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-type", choices=MODEL_TYPES, default="bpe")
     parser.add_argument("--workers", type=int_at_least(1),
                         help="tokenizer processes (default: the cores this process may use)")
+    parser.add_argument("--max-document-mb", type=int_at_least(1),
+                        default=MAX_DOCUMENT_BYTES >> 20,
+                        help="refuse a document longer than this many MiB (default "
+                             f"{MAX_DOCUMENT_BYTES >> 20}): a worker's memory grows with the "
+                             "longest document")
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return parser
@@ -69,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         overwrite=args.overwrite,
         progress=not args.no_progress,
         num_threads=args.workers,
+        max_document_bytes=args.max_document_mb << 20,
     )
     print(summary.line())
     return 0

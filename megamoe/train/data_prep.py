@@ -17,9 +17,13 @@ Speed and memory: the input is cut into blocks of about BLOCK_BYTES at line ends
 processes tokenize blocks (parse the JSON, encode the batch with the tokenizers library or
 sentencepiece) while this process writes finished blocks in input order. At most
 MAX_IN_FLIGHT_BYTES of input (or one larger block) are handed out and not yet written, so
-memory is bounded whatever the input size (one record may be at most MAX_RECORD_BYTES), and
-the window is wide enough that the other workers keep busy while one encodes a document of
-megabytes (a window of a few blocks per worker left them idle behind it). All outputs are
+memory is bounded whatever the input size, and the window is wide enough that the other
+workers keep busy while one encodes a document of megabytes (a window of a few blocks per
+worker left them idle behind it). A worker's peak is set by the longest document it encodes:
+the tokenizers library holds about 150-220 bytes per byte of a document while encoding it (1.2
+GiB for 8 MiB of text with a 50,000-entry byte-level BPE), so a document longer than
+`max_document_bytes` (`--max-document-mb`, default MAX_DOCUMENT_BYTES: 8 MiB) is refused in one
+line naming its file and line (a jsonl line may hold at most MAX_RECORD_BYTES). All outputs are
 written under temporary names and renamed into place only when everything succeeded, so a
 failure leaves nothing behind.
 
@@ -59,7 +63,8 @@ from megamoe.train.tokenizer import (SentencePieceTokenizer, Tokenizer, dataset_
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 BLOCK_BYTES = 1 << 20  # input bytes per task: large enough to amortise a task, small to stream
-MAX_RECORD_BYTES = 256 << 20  # one jsonl line or text paragraph
+MAX_RECORD_BYTES = 256 << 20  # one jsonl line
+MAX_DOCUMENT_BYTES = 8 << 20  # one document's text, UTF-8 (`--max-document-mb`)
 MAX_INPUT_BYTES = 1 << 50
 MAX_IN_FLIGHT_BYTES = 64 << 20  # input handed to workers and not yet written
 ENCODE_BASE_S = 30.0
@@ -98,6 +103,21 @@ class Block:
     raw: bytes = b""
     documents: tuple[str, ...] = ()
     json_key: str = "text"
+    max_document_bytes: int = MAX_DOCUMENT_BYTES
+
+
+def _document_too_long(where: str, limit: int) -> DataError:
+    return DataError(f"{where}: a document longer than {limit:,} bytes, the limit of "
+                     f"--max-document-mb {limit / (1 << 20):g} (tokenizing one document takes "
+                     "memory in proportion to its size); split the document, or raise "
+                     "--max-document-mb")
+
+
+def check_document_size(text: str, limit: int, where: str) -> None:
+    """A document longer than `limit` UTF-8 bytes is refused (one line naming `where`): its
+    encoding's memory grows with it (see the module docstring)."""
+    if len(text) > limit // 4 and len(text.encode("utf-8", "surrogatepass")) > limit:
+        raise _document_too_long(where, limit)
 
 
 def _jsonl_documents(block: Block) -> list[str]:
@@ -111,6 +131,7 @@ def _jsonl_documents(block: Block) -> list[str]:
         if not isinstance(text, str):
             raise DataError(f"{where}: no string field {block.json_key!r}; pass --json-key with "
                             "the name of the field that holds the text")
+        check_document_size(text, block.max_document_bytes, where)
         texts.append(text)
     return texts
 
@@ -159,7 +180,8 @@ def encode_block(block: Block) -> tuple[np.ndarray, np.ndarray, int]:
     return tokens, lengths, block.size
 
 
-def _line_blocks(f: BinaryIO, path: Path, json_key: str) -> Iterator[Block]:
+def _line_blocks(f: BinaryIO, path: Path, json_key: str, max_document_bytes: int
+                 ) -> Iterator[Block]:
     """Blocks of whole lines of about BLOCK_BYTES; a line longer than MAX_RECORD_BYTES is
     refused when that many bytes have been read without a line end."""
     pieces: list[bytes] = []  # the line being read, which has no line end yet
@@ -174,23 +196,26 @@ def _line_blocks(f: BinaryIO, path: Path, json_key: str) -> Iterator[Block]:
                                 "the limit for one record; split the document")
             continue
         whole = b"".join([*pieces, chunk[:end]])
-        yield Block(str(path), line, len(whole) + 1, raw=whole, json_key=json_key)
+        yield Block(str(path), line, len(whole) + 1, raw=whole, json_key=json_key,
+                    max_document_bytes=max_document_bytes)
         line += whole.count(b"\n") + 1
         pieces, pending = [chunk[end + 1:]], len(chunk) - end - 1
     if pending:
-        yield Block(str(path), line, pending, raw=b"".join(pieces), json_key=json_key)
+        yield Block(str(path), line, pending, raw=b"".join(pieces), json_key=json_key,
+                    max_document_bytes=max_document_bytes)
 
 
-def _paragraphs(f: BinaryIO, path: Path) -> Iterator[tuple[str, int]]:
-    """(paragraph, input bytes up to its end) of a text file."""
+def _paragraphs(f: BinaryIO, path: Path, max_document_bytes: int
+                ) -> Iterator[tuple[str, int]]:
+    """(paragraph, input bytes up to its end) of a text file; a paragraph is one document."""
     paragraph: list[str] = []
     size = length = 0
-    for lineno, raw in enumerate(iter(lambda: f.readline(MAX_RECORD_BYTES + 1), b""), start=1):
+    for lineno, raw in enumerate(iter(lambda: f.readline(max_document_bytes + 1), b""),
+                                 start=1):
         size += len(raw)
         length = length + len(raw) if paragraph else len(raw)
-        if length > MAX_RECORD_BYTES:
-            raise DataError(f"{path}:{lineno}: a paragraph longer than {MAX_RECORD_BYTES:,} "
-                            "bytes, the limit for one document; split it with blank lines")
+        if length > max_document_bytes:  # its bytes, line ends included
+            raise _document_too_long(f"{path}:{lineno}", max_document_bytes)
         line = decode_utf8(raw, DataError, f"{path}:{lineno}").rstrip("\r\n")
         if line.strip():
             paragraph.append(line)
@@ -201,10 +226,10 @@ def _paragraphs(f: BinaryIO, path: Path) -> Iterator[tuple[str, int]]:
         yield "\n".join(paragraph), size
 
 
-def _paragraph_blocks(f: BinaryIO, path: Path) -> Iterator[Block]:
+def _paragraph_blocks(f: BinaryIO, path: Path, max_document_bytes: int) -> Iterator[Block]:
     batch: list[str] = []
     size = 0
-    for doc, consumed in _paragraphs(f, path):
+    for doc, consumed in _paragraphs(f, path, max_document_bytes):
         if doc:
             batch.append(doc)
         size += consumed
@@ -215,30 +240,35 @@ def _paragraph_blocks(f: BinaryIO, path: Path) -> Iterator[Block]:
         yield Block(str(path), 0, size, documents=tuple(batch))
 
 
-def input_blocks(paths: Sequence[Path], json_key: str = "text") -> Iterator[Block]:
-    """The blocks of `paths` in order (formats: see the module docstring)."""
+def input_blocks(paths: Sequence[Path], json_key: str = "text",
+                 max_document_bytes: int = MAX_DOCUMENT_BYTES) -> Iterator[Block]:
+    """The blocks of `paths` in order (formats: see the module docstring); a document over
+    `max_document_bytes` is refused when it is read."""
     for path in paths:
         with open(path, "rb") as f:
             if path.suffix.lower() in JSONL_SUFFIXES:
-                yield from _line_blocks(f, path, json_key)
+                yield from _line_blocks(f, path, json_key, max_document_bytes)
             else:
-                yield from _paragraph_blocks(f, path)
+                yield from _paragraph_blocks(f, path, max_document_bytes)
 
 
 def read_documents(paths: Sequence[Path], json_key: str = "text", desc: str = "reading",
-                   progress: bool = True) -> Iterator[str]:
+                   progress: bool = True, max_document_bytes: int = MAX_DOCUMENT_BYTES
+                   ) -> Iterator[str]:
     """Yield the documents of `paths` in order (formats: see the module docstring), with a bar
     over input bytes; raises DataError naming file and line on malformed input."""
     total = sum(p.stat().st_size for p in paths)
     with tqdm(total=total, desc=desc, unit="B", unit_scale=True,
               disable=None if progress else True) as bar:
-        for block in input_blocks(paths, json_key):
+        for block in input_blocks(paths, json_key, max_document_bytes):
             yield from _jsonl_documents(block) if block.raw else block.documents
             bar.update(block.size)
 
 
-def _training_lines(paths: Sequence[Path], json_key: str, progress: bool) -> Iterator[str]:
-    for doc in read_documents(paths, json_key, desc="training tokenizer", progress=progress):
+def _training_lines(paths: Sequence[Path], json_key: str, progress: bool,
+                    max_document_bytes: int) -> Iterator[str]:
+    for doc in read_documents(paths, json_key, desc="training tokenizer", progress=progress,
+                              max_document_bytes=max_document_bytes):
         yield from (line for line in doc.split("\n") if line.strip())
 
 
@@ -344,6 +374,7 @@ def preprocess(
     overwrite: bool = False,
     progress: bool = True,
     num_threads: int | None = None,
+    max_document_bytes: int = MAX_DOCUMENT_BYTES,
 ) -> PrepSummary:
     """Tokenize `inputs` into the Megatron indexed dataset `output_prefix`.bin/.idx, with its
     tokenizer identity `output_prefix`.tokenizer-identity.json.
@@ -351,7 +382,8 @@ def preprocess(
     Exactly one of `tokenizer_model` (any tokenizer `load_tokenizer` reads) and `vocab_size`
     (train a `model_type` SentencePiece model of that size on `inputs` and save it as
     `output_prefix`.model) is given. `num_threads` worker processes tokenize (default: the
-    cores this process may use). Returns counts and wall time.
+    cores this process may use). A document longer than `max_document_bytes` is refused.
+    Returns counts and wall time.
     """
     start = time.perf_counter()
     if (tokenizer_model is None) == (vocab_size is None):
@@ -376,7 +408,7 @@ def preprocess(
     with _staged_outputs(targets) as staged:
         staged_bin, staged_identity, staged_idx = staged[-3:]
         if tokenizer is None:
-            lines = _training_lines(paths, json_key, progress)
+            lines = _training_lines(paths, json_key, progress, max_document_bytes)
             staged[0].write_bytes(train_sentencepiece(lines, vocab_size, model_type, workers))
             tokenizer = SentencePieceTokenizer(staged[0])
             tokenizer.path = tokenizer.model_path = str(model.resolve())
@@ -387,8 +419,8 @@ def preprocess(
             # The bar shows on a terminal only (tqdm's disable=None), not in a log or a pipe.
             with tqdm(total=total, desc="tokenizing", unit="B", unit_scale=True,
                       disable=None if progress else True) as bar:
-                for tokens, lengths, size in _encoded_blocks(input_blocks(paths, json_key),
-                                                            tokenizer, dtype, workers):
+                blocks = input_blocks(paths, json_key, max_document_bytes)
+                for tokens, lengths, size in _encoded_blocks(blocks, tokenizer, dtype, workers):
                     writer.add(tokens, lengths)
                     rate = writer.documents / max(time.perf_counter() - start, 1e-9)
                     bar.set_postfix_str(f"{rate:,.0f} docs/s", refresh=False)

@@ -164,6 +164,32 @@ def test_bad_input_exits_2_without_output(case, train, prepared, tmp_path, capsy
     assert list(out_dir.iterdir()) == []
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".txt"])
+def test_document_over_the_size_limit_is_refused(suffix, prepared, tmp_path, capsys):
+    """--max-document-mb bounds one document (a worker's memory grows with it): a document
+    just over 1 MiB is one line naming its file and line, exit 2, nothing written; one just
+    under it is tokenized."""
+    def source(name: str, words: int) -> Path:
+        doc = " ".join(["word"] * words)  # 5 bytes a word, the last without its space
+        path = tmp_path / f"{name}{suffix}"
+        path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": doc}) + "\n"
+                        if suffix == ".jsonl" else f"fine\n\n{doc}\n")
+        return path
+
+    limit = 1 << 20
+    over, under = source("over", limit // 5 + 1), source("under", (limit - 100) // 5)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    args = ["--tokenizer-model", prepared[1], "--max-document-mb", "1"]
+    code, _, err = run(["--input", over, "--output-prefix", out_dir / "ds", *args], capsys)
+    line = 2 if suffix == ".jsonl" else 3
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"over{suffix}:{line}: a document longer than 1,048,576 bytes" in err
+    assert "--max-document-mb" in err and list(out_dir.iterdir()) == []
+    code, _, err = run(["--input", under, "--output-prefix", out_dir / "ds", *args], capsys)
+    assert code == 0, err
+
+
 def test_existing_output_needs_overwrite(inputs, prepared, tmp_path, capsys):
     prefix = tmp_path / "ds"
     (tmp_path / "ds.idx").write_text("keep me")

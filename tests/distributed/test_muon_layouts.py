@@ -1,6 +1,7 @@
 """Muon (`optimizer.name: muon`) trains the layout suite's tiny GPT-MoE at TP2+SP, PP2, DP2,
-DP2xEP2 and EP2xTP2 as one process does, from the same seed: per-step losses and gradient norms
-within the AdamW suite's tolerance (test_layouts.py). Tensor parallelism orthogonalises the
+DP2xEP2 and EP2xTP2, and on four processes at TP2xDP2 and PP2xDP2 (distributed Muon's owners
+agree across tensor-parallel peers and pipeline stages), as one process does, from the same
+seed: per-step losses and gradient norms within the AdamW suite's tolerance (test_layouts.py). Tensor parallelism orthogonalises the
 gathered full matrices (attention and the GLU halves of the dense fc1 included), expert
 parallelism keeps each expert whole, data parallelism all-reduces the gradients; so these are
 the one process's updates.
@@ -21,8 +22,8 @@ rest), DP2 distributed equals replicated within 1e-6 with the same split of the 
 replicated run's checkpoint resumed distributed continues it. The trainer refuses bf16 on the
 CPU (slow there), so these runs set it up directly (`bf16_job`).
 
-Three spawns (two processes: the layouts, the replicated runs and the resume at EP2; two
-processes: the bf16 runs; then one process: the reference, the resumes and the AdamW -> Muon
+Four spawns (two processes: the layouts, the replicated runs and the resume at EP2; four
+processes: TP2xDP2 and PP2xDP2; two processes: the bf16 runs; then one process: the reference, the resumes and the AdamW -> Muon
 switch), each loading megatron.core once.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ RUN_TIMEOUT_S = 1200
 pytestmark = pytest.mark.timeout(2400)
 LAYOUTS = {"tp2_sp": {"tensor": 2}, "pp2": {"pipeline": 2}, "dp2": {},
            "dp2_ep2": {"expert": 2}, "ep2_tp2": {"expert": 2, "tensor": 2}}
+LAYOUTS4 = {"tp2_dp2": {"tensor": 2}, "pp2_dp2": {"pipeline": 2}}  # four processes
 REPLICATED = ("dp2", "dp2_ep2")  # also run with optimizer.muon.distributed=false
 RESUMED = ("reference", "dp2", "dp2_ep2")  # resumed at one process from RESUME_AT
 SAVED = RESUMED + ("dp2_replicated", "bf16_dp2_replicated")  # also checkpoint at RESUME_AT
@@ -87,6 +89,9 @@ def runs(data, tmp_path_factory):  # noqa: F811
                           "raw": _raw(data, root, "qk_clip_reference", {}, qk_clip=True)}]
                    + resumes, adamw=adamw,
                    to_muon=[_raw(data, root, name, {}) for name in ("resumed", "init_from")])
+    world4 = spawn(4, lw.job, str(root / "spawn4"), RUN_TIMEOUT_S,
+                   runs=[{"name": name, "raw": _raw(data, root, name, parallel)}
+                         for name, parallel in LAYOUTS4.items()])
     bf16 = spawn(2, bf16_job, str(root / "spawn_bf16"), RUN_TIMEOUT_S,
                  runs=[{"name": "bf16_dp2", "raw": _raw(data, root, "bf16_dp2", {})},
                        {"name": "bf16_dp2_replicated",
@@ -96,7 +101,7 @@ def runs(data, tmp_path_factory):  # noqa: F811
                         "resume_from": (str(root / "bf16_dp2_replicated"), lw.RESUME_AT)}])
     ranks = {f"{name}/ranks": [rank[name] for rank in world]
              for world in (world2, bf16) for name in world[0]}
-    return {**world2[0], **bf16[0], **world1[0], **ranks}
+    return {**world2[0], **world4[0], **bf16[0], **world1[0], **ranks}
 
 
 def bf16_job(rank: int, world_size: int, runs: list[dict]) -> dict:
@@ -132,7 +137,7 @@ def _max_diff(a, b):
     return max(abs(x - y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", list(LAYOUTS) + list(LAYOUTS4))
 def test_muon_layout_trains_as_one_process(runs, name):
     reference, got = runs["reference"], runs[name]
     assert got["steps"] == list(range(1, lw.STEPS + 1))

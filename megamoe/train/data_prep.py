@@ -388,6 +388,9 @@ def preprocess(
     start = time.perf_counter()
     if (tokenizer_model is None) == (vocab_size is None):
         raise DataError("pass exactly one of --tokenizer and --train-tokenizer --vocab-size")
+    if not 0 < max_document_bytes <= MAX_RECORD_BYTES:
+        raise DataError(f"--max-document-mb {max_document_bytes / (1 << 20):g} must be above 0 "
+                        f"and at most {MAX_RECORD_BYTES >> 20} (the limit of one record)")
     paths = _check_inputs(inputs)
     prefix = Path(output_prefix)
     bin_, idx = prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".idx")

@@ -188,6 +188,9 @@ def test_document_over_the_size_limit_is_refused(suffix, prepared, tmp_path, cap
     assert "--max-document-mb" in err and list(out_dir.iterdir()) == []
     code, _, err = run(["--input", under, "--output-prefix", out_dir / "ds", *args], capsys)
     assert code == 0, err
+    code, _, err = run(["--input", under, "--output-prefix", tmp_path / "big", *args[:-1],
+                        "257"], capsys)
+    assert code == 2 and "--max-document-mb 257 must be above 0 and at most 256" in err, err
 
 
 def test_existing_output_needs_overwrite(inputs, prepared, tmp_path, capsys):

@@ -6,6 +6,10 @@ shuffled and packed into `seq_length + 1`-token samples, deterministically for a
 shuffle indices are cached in `index_cache_dir`. Under torch.distributed it must be called on
 every rank: global rank 0 builds the indices first, the others then read them from the cache
 (so the cache directory must be visible to all ranks). It also works without torch.distributed.
+Runs that share a cache (a sweep's jobs on one data set) take turns at it: Megatron-Core writes
+an index in place and reads any index it finds, so a run starting while another writes the same
+one would read half a file; each run's rank 0 holds an exclusive lock on the cache folder while
+it builds or reads (`_cache_lock`), and its other ranks read only after it.
 Loss masks are Megatron's: every position counts except, with `eod_mask_loss`, those whose input
 is an end of document. A tokenizer's pad id never masks anything (`DatasetTokenizer`).
 
@@ -19,6 +23,8 @@ Shapes: B micro batch size, S sequence length.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import os
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
@@ -160,8 +166,31 @@ def build_gpt_datasets(
     builder = BlendedMegatronDatasetBuilder(
         cls=GPTDataset, sizes=sizes, is_built_on_rank=lambda: True, config=config
     )
-    with compat.process_group_for_dataset_build():
+    with compat.process_group_for_dataset_build(), _cache_lock(index_cache_dir):
         return builder.build()
+
+
+@contextlib.contextmanager
+def _cache_lock(index_cache_dir: str | os.PathLike) -> Iterator[None]:
+    """On global rank 0 (the rank that writes the index cache), an exclusive lock on the cache
+    folder for as long as it is held (see the module docstring); nothing on the other ranks,
+    which read the cache after rank 0 (Megatron's build waits for it), nor where the folder
+    cannot be written (no run can write its indices either)."""
+    if torch.distributed.get_rank() != 0:
+        yield
+        return
+    try:
+        os.makedirs(index_cache_dir, exist_ok=True)
+        lock = open(os.path.join(index_cache_dir, ".megamoe-build.lock"), "a")
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _rank_sample_indices(

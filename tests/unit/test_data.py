@@ -299,6 +299,35 @@ def train_set(prepared, tmp_path_factory):
     return train
 
 
+def test_runs_sharing_an_index_cache_take_turns(prepared, tmp_path):
+    """A run builds its indices only while no other run holds the cache folder's lock (two
+    sweep jobs on one data set once read each other's half-written index)."""
+    import fcntl
+    import threading
+
+    prefix, model, _ = prepared
+    cache = tmp_path / "index"
+    cache.mkdir()
+    other_run = open(cache / ".megamoe-build.lock", "a")
+    fcntl.flock(other_run, fcntl.LOCK_EX)
+    built = threading.Event()
+
+    def build():
+        build_gpt_datasets([prefix], SentencePieceTokenizer(model), seq_length=SEQ, seed=7,
+                           num_samples=(240, None, None), index_cache_dir=cache, split="90,10,0")
+        built.set()
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    try:
+        assert not built.wait(2.0) and not list(cache.rglob("*.npy"))
+    finally:
+        fcntl.flock(other_run, fcntl.LOCK_UN)
+        other_run.close()
+    thread.join(120)
+    assert built.is_set() and list(cache.rglob("*.npy"))
+
+
 def _tokens_of(dataset, index):
     return dataset[index]["tokens"]
 

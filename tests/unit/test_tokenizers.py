@@ -403,7 +403,7 @@ def test_overlong_record_is_refused_in_bounded_memory(tokenizers, tmp_path, monk
     src.write_text('{"text": "ok"}\n' + json.dumps({"text": "y" * 5000}) + "\n")
     with pytest.raises(DataError, match=r"long\.jsonl:2: a line longer than 1,000 bytes"):
         preprocess([src], tmp_path / "ds", tokenizer_model=tokenizers["qwen"], progress=False,
-                   num_threads=1)
+                   num_threads=1, max_document_bytes=1000)
 
 
 @pytest.mark.slow

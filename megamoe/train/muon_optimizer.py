@@ -174,7 +174,9 @@ def _broadcast_owned(shards: Shards) -> None:
     for owner, params in enumerate(shards.params_by_rank):
         for dtype in sorted({p.dtype for p in params}, key=str):
             same = [p for p in params if p.dtype == dtype]
-            flat = _flatten_dense_tensors([p.data for p in same])
+            flat = (_flatten_dense_tensors([p.data for p in same]) if owner == me else
+                    torch.empty(sum(p.numel() for p in same), dtype=dtype,
+                                device=same[0].device))
             dist.broadcast(flat, src=dist.get_global_rank(group, owner), group=group)
             if owner != me:
                 for param, value in zip(same, _unflatten_dense_tensors(flat, same)):
